@@ -1,0 +1,150 @@
+"""KV compaction after a tree walk: move the accepted path's KV to consecutive slots.
+
+The verify step wrote row r's K/V at position start + r (start = position of the
+root row = context length before the step).  After the walk, accepted node j
+(row accepted_rows[n, j], j = 1..num_accepted[n]) must sit at position start + j.
+Rows on a path increase strictly (parents precede children), so
+accepted_rows[n, j] >= j: every source is at or after its destination, a later
+destination never is an earlier source, and copying j = 1, 2, ... in order is
+correct in place; the torch reference gathers everything first.
+
+Layouts (per-layer tensor; any strides, e.g. vLLM's HND/NHD stride orders):
+  "kv_in_block"  [num_blocks, 2, block_size, kv_heads, head_dim]
+  "kv_outer"     [2, num_blocks, block_size, kv_heads, head_dim]
+  "heads_packed" [num_blocks, kv_heads, block_size, 2 * head_dim]  (K | V on the
+                 last dim: vLLM 0.32.0's logical shape for FlashAttention, Triton,
+                 FlexAttention and CPU attention)
+"""
+
+import torch
+
+from ._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+LAYOUTS = ("kv_in_block", "kv_outer", "heads_packed")
+
+
+def token_view(kv: torch.Tensor, layout: str) -> torch.Tensor:
+    """View [num_blocks, block_size, A, B, C]: all K/V elements of one slot."""
+    if layout == "kv_in_block":
+        return kv.permute(0, 2, 1, 3, 4)
+    if layout == "kv_outer":
+        return kv.permute(1, 2, 0, 3, 4)
+    if layout == "heads_packed":
+        return kv.permute(0, 2, 1, 3).unsqueeze(2)
+    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+
+
+def compaction_slots(block_table, block_size: int, start_positions, accepted_rows, num_accepted):
+    """(src_slots, dst_slots) [N, L] int64 for j = 1..L; -1 where nothing moves
+    (j > num_accepted, or the row is already in place).  slot = block * block_size + offset."""
+    n, l1 = accepted_rows.shape
+    dev = accepted_rows.device
+    j = torch.arange(1, l1, device=dev).unsqueeze(0)
+    rows = accepted_rows[:, 1:].long()
+    move = (j <= num_accepted.long().unsqueeze(1)) & (rows != j) & (rows >= 0)
+    start = start_positions.long().unsqueeze(1)
+
+    def slot(pos):
+        blk = block_table.long().gather(1, (pos // block_size).clamp(max=block_table.shape[1] - 1))
+        return blk * block_size + pos % block_size
+
+    src = torch.where(move, slot(start + rows.clamp(min=0)), -1)
+    dst = torch.where(move, slot(start + j.expand(n, -1)), -1)
+    return src, dst
+
+
+def compact_kv_slots_torch(kv_caches, src, dst, block_size: int, layout: str, noop_slot=None):
+    """Reference: per layer, gather every source slot, then scatter (overlap-safe).
+
+    Skipped entries (-1) become a self-copy of noop_slot[n] (the request's root
+    slot: neither a source nor a destination), which keeps it free of host syncs;
+    without noop_slot they are dropped with nonzero() (host sync)."""
+    if noop_slot is not None:
+        ns = noop_slot.long().unsqueeze(1).expand_as(src)
+        s = torch.where(src >= 0, src, ns).reshape(-1)
+        d = torch.where(src >= 0, dst, ns).reshape(-1)
+    else:
+        keep = torch.nonzero(src.reshape(-1) >= 0).squeeze(1)
+        s, d = src.reshape(-1)[keep], dst.reshape(-1)[keep]
+    for kv in kv_caches:
+        tv = token_view(kv, layout)
+        vals = tv[s // block_size, s % block_size]
+        tv[d // block_size, d % block_size] = vals
+    return kv_caches
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _compact_kernel(base_ptr, loff_ptr, src_ptr, dst_ptr, s_blk, s_tok, s_a, s_b, s_c, NB, NC, INNER,
+                        block_size, L: tl.constexpr, BLOCK: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        lay = tl.program_id(1)
+        e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        em = e < INNER
+        a = e // (NB * NC)
+        b = (e // NC) % NB
+        c = e % NC
+        inner = a.to(tl.int64) * s_a + b.to(tl.int64) * s_b + c.to(tl.int64) * s_c
+        base = base_ptr + tl.load(loff_ptr + lay)
+        for j in range(0, L):  # in order: see the module docstring
+            src = tl.load(src_ptr + n * L + j)
+            dst = tl.load(dst_ptr + n * L + j)
+            ok = em & (src >= 0)
+            so = (src // block_size) * s_blk + (src % block_size) * s_tok
+            do = (dst // block_size) * s_blk + (dst % block_size) * s_tok
+            x = tl.load(base + so + inner, mask=ok)
+            tl.store(base + do + inner, x, mask=ok)
+
+
+_LOFF: dict = {}
+
+
+def _compact_triton(kv_caches, src, dst, block_size, layout):
+    groups: dict = {}
+    for kv in kv_caches:
+        tv = token_view(kv, layout)
+        groups.setdefault((tuple(tv.shape), tv.stride(), kv.dtype, kv.device), []).append(tv)
+    n, L = src.shape
+    src = src.contiguous()
+    dst = dst.contiguous()
+    for (shape, st, dtype, dev), views in groups.items():
+        base = views[0]
+        isz = base.element_size()
+        offs = []
+        for tv in views:
+            delta = tv.data_ptr() - base.data_ptr()
+            assert delta % isz == 0
+            offs.append(delta // isz)
+        key = (str(dev), tuple(offs))
+        loff = _LOFF.get(key)
+        if loff is None:  # cached: no host-to-device copy inside CUDA-graph capture
+            loff = _LOFF[key] = torch.tensor(offs, dtype=torch.int64, device=dev)
+        inner = shape[2] * shape[3] * shape[4]
+        block = min(1024, next_pow2(inner))
+        grid = (n, len(views), triton.cdiv(inner, block))
+        _compact_kernel[grid](base, loff, src, dst, st[0], st[1], st[2], st[3], st[4], shape[3], shape[4], inner,
+                              block_size, L=L, BLOCK=block, num_warps=4)
+    return kv_caches
+
+
+def compact_kv(kv_caches, block_table, block_size: int, start_positions, accepted_rows, num_accepted,
+               layout: str, backend: str = "auto"):
+    """Move accepted rows' K/V in place for every layer in kv_caches (list of tensors)."""
+    src, dst = compaction_slots(block_table, block_size, start_positions, accepted_rows, num_accepted)
+    if not kv_caches:
+        return kv_caches
+    if use_triton(kv_caches[0], backend):
+        return _compact_triton(kv_caches, src, dst, block_size, layout)
+    start = start_positions.long()
+    root = block_table.long().gather(1, (start // block_size).unsqueeze(1)).squeeze(1) * block_size
+    return compact_kv_slots_torch(kv_caches, src, dst, block_size, layout, root + start % block_size)
+
+
+def compact_kv_slots(kv_caches, src, dst, block_size: int, layout: str, backend: str = "auto"):
+    """Slot-based variant: src/dst [N, L] int64 from compaction_slots (-1 = skip)."""
+    if not kv_caches:
+        return kv_caches
+    if use_triton(kv_caches[0], backend):
+        return _compact_triton(kv_caches, src, dst, block_size, layout)
+    return compact_kv_slots_torch(kv_caches, src, dst, block_size, layout)
