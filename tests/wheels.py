@@ -7,6 +7,7 @@ copy before touching.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -37,6 +38,15 @@ def installed_tree(dist: str, version: str) -> Path:
     root = CACHE.parent / "trees" / f"{dist}-{version}"
     if (root / ".complete").exists():
         return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.with_name(root.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test runs build it once
+        if not (root / ".complete").exists():
+            _install(dist, version, root)
+    return root
+
+
+def _install(dist: str, version: str, root: Path) -> None:
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
@@ -45,7 +55,6 @@ def installed_tree(dist: str, version: str) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     tmp.rename(root)
     (root / ".complete").touch()
-    return root
 
 
 def copy_tree(dist: str, version: str, dest: Path) -> Path:

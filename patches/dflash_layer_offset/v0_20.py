@@ -11,6 +11,9 @@ ALGOS_FN = "update_dflash"
 
 
 def _runner_apply(source: str) -> str:
+    if _runner_applied(source):
+        return source
+
     def edit(fn):
         # layer_ids = dflash_config.get("target_layer_ids")
         anchor = m.Call(func=m.Attribute(value=m.Name("dflash_config"), attr=m.Name("get")),
@@ -28,16 +31,15 @@ def _runner_applied(source: str) -> bool:
 
 
 def _algos_apply(source: str) -> str:
+    if _algos_applied(source):
+        return source
+
     def edit(fn):
         # "target_layer_ids": aux_layer_ids  inside the dflash_config dict
         anchor = m.DictElement(key=m.SimpleString('"target_layer_ids"'),
                                value=m.Name("aux_layer_ids"))
-        hits = m.findall(fn, anchor)
-        if len(hits) != 1:
-            from ..framework import AnchorError
-            raise AnchorError(f'"target_layer_ids": aux_layer_ids found {len(hits)} times')
-        return m.replace(fn, anchor, lambda node, _: node.with_changes(
-            value=expr("[i - 1 for i in aux_layer_ids]")))
+        return replace_one(fn, anchor, lambda node, _: node.with_changes(
+            value=expr("[i - 1 for i in aux_layer_ids]")), where='"target_layer_ids": aux_layer_ids')
 
     return edit_function(source, ALGOS_FN, edit)
 

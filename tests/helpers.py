@@ -1,0 +1,45 @@
+"""Small helpers the tests share."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from pathlib import Path
+
+
+TEXT = (".py", ".pyc", ".json", ".txt", ".md", "RECORD", "METADATA", "INSTALLER", "WHEEL")
+
+
+def snapshot(site: Path) -> dict[str, str]:
+    """Identity of every file under site: sha256 for sources, bytecode and metadata;
+    (inode, size, mtime) for the large binaries, which any write would change."""
+    out = {}
+    for p in sorted(site.rglob("*")):
+        if not p.is_file():
+            continue
+        if p.name.endswith(TEXT):
+            out[str(p.relative_to(site))] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            st = p.stat()
+            out[str(p.relative_to(site))] = f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    return out
+
+
+def load_function(source: str, qualname: str, glb: dict | None = None):
+    """Compile one function (a method too) out of a real vLLM source file."""
+    tree = ast.parse(source)
+    parts = qualname.split(".")
+    body = tree.body
+    node = None
+    for part in parts:
+        node = next(n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                    and n.name == part)
+        body = node.body
+    node.decorator_list = []
+    node.returns = None
+    for a in node.args.args + node.args.kwonlyargs:
+        a.annotation = None
+    mod = ast.Module(body=[node], type_ignores=[])
+    ns = dict(glb or {})
+    exec(compile(mod, "<vllm>", "exec"), ns)
+    return ns[parts[-1]]
