@@ -125,7 +125,7 @@ def _triton_cases(big):
     cases = []
     sizes = [(3, 1, 7, 4), (2, 4, 20, 16), (3, 3, 5, 12), (2, 6, 40, 9), (1, 2, 1, 3)]
     if big:
-        sizes += [(8, 15, 151936, 64), (4, 15, 151936, 512), (32, 15, 5000, 256), (5, 15, 300, 1000)]
+        sizes += [(8, 15, 151936, 64), (4, 15, 151936, 512), (32, 15, 5000, 256), (64, 15, 151936, 16)]
     for i, (n, L, v, b) in enumerate(sizes):
         kind = ["peaked", "ties", "masked", "flat", "uniform"][i % 5]
         lp = _logprobs(rng, g, n, L, v, kind)
@@ -137,14 +137,13 @@ def _triton_cases(big):
 
 @needs_triton
 def test_triton_matches_torch():
-    for lp, bud, b in _triton_cases(CUDA):
-        for logprobs in (True, False):
+    for i, (lp, bud, b) in enumerate(_triton_cases(CUDA)):
+        # big CUDA cases only as logits (the benchmark's kernel variant: fewer compiles)
+        for logprobs in ((True, False) if (CUDA and i < 5) else (i % 2 == 0,)):
             x = (lp if logprobs else lp * 1.7 + 3).to(DEV)
             a = build_tree(x, bud.to(DEV), b, logprobs=logprobs, backend="torch")
             t = build_tree(x, bud.to(DEV), b, logprobs=logprobs, backend="triton")
             assert_same_tree(a, t)
-            if not CUDA:
-                break
 
 
 @needs_triton
