@@ -9,7 +9,7 @@ import heapq
 
 import torch
 
-from .tree_build import Q_NEG, TOK_BITS, quantize_logprobs
+from .tree_build import Q_NEG, quantize_logprobs
 
 
 def heap_build(q, tok, budget: int, neg=Q_NEG):
@@ -79,6 +79,24 @@ def visibility_matrix(nodes, bmax: int):
     return vis
 
 
+def _ports_heap(vals, idx, budget: int):
+    """The ports' loop: flat float keys, rank tuples, Python heapq (no tie rules)."""
+    L, k = len(vals), min(len(vals[0]), budget)
+    nodes, heap, cnt = [], [(-vals[0][0], 0, (0,), -1, 0.0)], 1
+    while heap and len(nodes) < budget:
+        neg, _, ranks, parent, pscore = heapq.heappop(heap)
+        d, r = len(ranks) - 1, ranks[-1]
+        me = len(nodes)
+        nodes.append((idx[d][r], parent, d + 1, -neg))
+        if r + 1 < k:
+            heapq.heappush(heap, (-(pscore + vals[d][r + 1]), cnt, ranks[:-1] + (r + 1,), parent, pscore))
+            cnt += 1
+        if d + 1 < L:
+            heapq.heappush(heap, (neg - vals[d + 1][0], cnt, ranks + (0,), me, -neg))
+            cnt += 1
+    return nodes
+
+
 def build_tree_ports_style(draft_logits: torch.Tensor, budget: int):
     """Baseline as the existing ports do it: log_softmax + top-K on the device, copy
     to host, Python heap per request on float scores, numpy visibility matrix, copy
@@ -95,7 +113,7 @@ def build_tree_ports_style(draft_logits: torch.Tensor, budget: int):
     parents = np.full((n, budget), -1, dtype=np.int64)
     mask = np.zeros((n, budget + 1, budget + 1), dtype=bool)
     for b in range(n):
-        nodes = heap_build(vals[b].tolist(), idx[b].tolist(), budget, neg=float("-inf"))
+        nodes = _ports_heap(vals[b].tolist(), idx[b].tolist(), budget)
         for i, (t, p, _, _) in enumerate(nodes):
             tokens[b, i] = t
             parents[b, i] = p
@@ -106,4 +124,4 @@ def build_tree_ports_style(draft_logits: torch.Tensor, budget: int):
 
 
 __all__ = ["heap_build", "canonical_lists", "reference_tree", "visibility_matrix",
-           "build_tree_ports_style", "TOK_BITS"]
+           "build_tree_ports_style"]
