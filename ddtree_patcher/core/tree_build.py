@@ -99,13 +99,23 @@ def canonical_topk(vals: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor | No
 
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """float32 logsumexp over the last dim (fused Triton kernel on CUDA)."""
+    """float32 logsumexp over the last dim.  On CUDA: per-chunk (max, sum exp) in
+    parallel (Triton, reads bf16/fp16 without a float copy), finished in torch.
+    Both build backends call this, so they see identical log-probs."""
     if HAS_TRITON and x.is_cuda:
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], device=x.device, dtype=torch.float32)
-        _lse_kernel[(rows.shape[0],)](rows, out, rows.stride(0), V=rows.shape[1], BLOCK=4096, num_warps=8)
+        nr, v = rows.shape
+        ch = 4096
+        nch = triton.cdiv(v, ch)
+        m = torch.empty(nr, nch, device=x.device, dtype=torch.float32)
+        sx = torch.empty(nr, nch, device=x.device, dtype=torch.float32)
+        _lse_part_kernel[(nr, nch)](rows, m, sx, rows.stride(0), v, nch, CH=ch, num_warps=4)
+        mx = m.amax(-1, keepdim=True)
+        safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+        tot = (sx * torch.exp(m - safe)).sum(-1)
+        out = safe.squeeze(-1) + torch.log(tot)
         return out.reshape(x.shape[:-1])
     return torch.logsumexp(x.float(), dim=-1)
 
@@ -210,20 +220,15 @@ def ancestor_mask_torch(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 if HAS_TRITON:
 
     @triton.jit
-    def _lse_kernel(x_ptr, out_ptr, stride_row, V: tl.constexpr, BLOCK: tl.constexpr):
+    def _lse_part_kernel(x_ptr, m_ptr, s_ptr, stride_row, V, NCH, CH: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
-        for v0 in range(0, V, BLOCK):
-            v = v0 + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + row * stride_row + v, mask=v < V, other=float("-inf")).to(tl.float32)
-            mn = tl.maximum(m, x)
-            live = mn > float("-inf")
-            s = tl.where(live, s * tl.exp(m - mn) + tl.exp(x - mn), 0.0)
-            m = mn
-        mx = tl.max(m, 0)
-        tot = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0)
-        tl.store(out_ptr + row, mx + tl.log(tot))
+        c = tl.program_id(1)
+        v = c * CH + tl.arange(0, CH)
+        x = tl.load(x_ptr + row * stride_row + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        mx = tl.max(x, 0)
+        safe = tl.where(mx > float("-inf"), mx, 0.0)
+        tl.store(m_ptr + row * NCH + c, mx)
+        tl.store(s_ptr + row * NCH + c, tl.sum(tl.exp(x - safe), 0))
 
     @triton.jit
     def _build_kernel(
@@ -348,7 +353,7 @@ def _core_triton(vals, idx, lse, budget, bmax):
     depths = torch.empty(n, bmax, **i64)
     sc = torch.empty(n, bmax, **i64)
     num = torch.empty(n, **i64)
-    big = max(hp, lbp, kp)
+    big = max(hp, next_pow2(L) * kp, 2 * bp)  # largest register tensor
     warps = 4 if big <= 1024 else (8 if big <= 4096 else 16)
     _build_kernel[(n,)](
         vals, idx, lse if lse is not None else vals, budget, ci, cr,

@@ -17,7 +17,10 @@ Sampled (lossless, target-only; DESIGN.md section 5), exact integer form:
     v (id order) whose inclusive prefix mass over non-children exceeds t - C_m.
   This draws exactly from m / T at each row, so the emitted tokens follow the
   target's autoregressive distribution (up to the 2**-40 mass quantisation).
-  Integer sums make torch and Triton bit-identical.
+  Integer sums make torch and Triton bit-identical whatever the summation order:
+  the Triton path first sums every row's masses per 4096-token chunk in parallel
+  (one pass over the probs, like the softmax that made them), then walks; the
+  bonus token scans one chunk.
 
 Outputs (vLLM rejection-sampler format): accepted_rows [N, L+1] (row 0 first, -1
 pad), output_tokens [N, L+1] (accepted draft tokens, then the bonus, -1 pad),
@@ -32,6 +35,7 @@ from ._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 MASS_BITS = 40
 MASS_SCALE = float(1 << MASS_BITS)
+SUM_CHUNK = 4096  # tokens per chunk of the row-mass pre-pass (power of 2)
 
 
 class WalkResult(NamedTuple):
@@ -163,9 +167,21 @@ if HAS_TRITON:
         tl.store(nacc_ptr + n, nacc)
 
     @triton.jit
-    def _walk_sampled_kernel(p_ptr, s_pn, s_pr, s_pv, u_ptr, s_un, s_us, tok_ptr, par_ptr, num_ptr, flag_ptr,
-                             rows_ptr, out_ptr, nacc_ptr, BMAX,
-                             V: tl.constexpr, L: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr):
+    def _mass_sums_kernel(p_ptr, s_pn, s_pr, s_pv, out_ptr, R, V, NCH, CH: tl.constexpr):
+        # chunk sums of the integer masses of every verify row, all in parallel
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        n = row // R
+        r = row % R
+        v = c * CH + tl.arange(0, CH)
+        p = tl.load(p_ptr + n * s_pn + r * s_pr + v * s_pv, mask=v < V, other=0.0).to(tl.float32)
+        m = (tl.where(p > 0, p, 0.0) * 1099511627776.0).to(tl.int64)
+        tl.store(out_ptr + row * NCH + c, tl.sum(m, 0))
+
+    @triton.jit
+    def _walk_sampled_kernel(p_ptr, s_pn, s_pr, s_pv, u_ptr, s_un, s_us, sums_ptr, tok_ptr, par_ptr, num_ptr,
+                             flag_ptr, rows_ptr, out_ptr, nacc_ptr, BMAX, R, V, NCH,
+                             L: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, NCHP: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         SCALE: tl.constexpr = 1099511627776.0  # 2**40
         j = tl.arange(0, BP)
@@ -174,7 +190,8 @@ if HAS_TRITON:
         par = tl.load(par_ptr + n * BMAX + j, mask=jm, other=-2)
         tk = tl.load(tok_ptr + n * BMAX + j, mask=jm, other=0)
         valid = jm & (j < num)
-        vv = tl.arange(0, BV)
+        ch = tl.arange(0, NCHP)
+        chm = ch < NCH
         cur = tl.zeros([], tl.int64)
         nacc = tl.zeros([], tl.int64)
         done = tl.zeros([], tl.int32)
@@ -183,11 +200,7 @@ if HAS_TRITON:
         for step in range(0, L + 1):
             if done == 0:
                 row = p_ptr + n * s_pn + cur * s_pr
-                tot = tl.zeros([], tl.int64)
-                for v0 in range(0, V, BV):
-                    v = v0 + vv
-                    p = tl.load(row + v * s_pv, mask=v < V, other=0.0).to(tl.float32)
-                    tot += tl.sum((tl.where(p > 0, p, 0.0) * SCALE).to(tl.int64), 0)
+                tot = tl.sum(tl.load(sums_ptr + (n * R + cur) * NCH + ch, mask=chm, other=0), 0)
                 u = tl.load(u_ptr + n * s_un + step * s_us).to(tl.float64)
                 t = (u * tot.to(tl.float64)).to(tl.int64)
                 t = tl.maximum(tl.minimum(t, tot - 1), 0)
@@ -205,22 +218,26 @@ if HAS_TRITON:
                     brow = cur
                     bt = t - tl.sum(cm, 0)
                     done = 1
-        # bonus: inverse CDF over non-children of brow, in token-id order
+        # bonus: inverse CDF over the non-children of brow in token-id order:
+        # find the chunk from the chunk sums minus the children's masses, then scan it
+        row = p_ptr + n * s_pn + brow * s_pr
         child = valid & (par == brow - 1)
         tl.store(flag_ptr + n * V + tk, tl.full([BP], 1, tl.int8), mask=child)
+        pc = tl.load(row + tk * s_pv, mask=child, other=0.0).to(tl.float32)
+        cm = tl.where(child, (tl.where(pc > 0, pc, 0.0) * SCALE).to(tl.int64), 0)
+        sub = tl.sum(tl.where((tk // CH)[None, :] == ch[:, None], cm[None, :], 0), 1)
+        ns = tl.load(sums_ptr + (n * R + brow) * NCH + ch, mask=chm, other=0) - sub
+        cum = tl.cumsum(ns, 0)
+        cstar = tl.min(tl.where(chm & (cum > bt), ch, NCHP), 0)
+        base = tl.sum(tl.where(ch == cstar, cum - ns, 0), 0)
         tl.debug_barrier()
-        row = p_ptr + n * s_pn + brow * s_pr
-        pre = tl.zeros([], tl.int64)
-        best = tl.full([], V, tl.int64)
-        for v0 in range(0, V, BV):
-            v = v0 + vv
-            vm = v < V
-            p = tl.load(row + v * s_pv, mask=vm, other=0.0).to(tl.float32)
-            fl = tl.load(flag_ptr + n * V + v, mask=vm, other=1)
-            m = tl.where(vm & (fl == 0), (tl.where(p > 0, p, 0.0) * SCALE).to(tl.int64), 0)
-            cs = tl.cumsum(m, 0) + pre
-            best = tl.minimum(best, tl.min(tl.where(vm & (cs > bt), v, V), 0).to(tl.int64))
-            pre += tl.sum(m, 0)
+        v = cstar * CH + tl.arange(0, CH)
+        vm = (v < V) & (cstar < NCHP)
+        p = tl.load(row + v * s_pv, mask=vm, other=0.0).to(tl.float32)
+        fl = tl.load(flag_ptr + n * V + v, mask=vm, other=1)
+        m = tl.where(vm & (fl == 0), (tl.where(p > 0, p, 0.0) * SCALE).to(tl.int64), 0)
+        cs = tl.cumsum(m, 0) + base
+        best = tl.min(tl.where(vm & (cs > bt), v, V), 0).to(tl.int64)
         best = tl.where(best < V, best, V - 1)
         tl.store(out_ptr + n * (L + 1) + nacc, best)
         tl.store(nacc_ptr + n, nacc)
@@ -240,12 +257,17 @@ def _walk_triton(kind, target, tree, uniforms=None):
         _walk_greedy_kernel[(n,)](target, target.stride(0), target.stride(1), tk, par, num, rows, toks, nacc,
                                   bmax, L=L, BP=bp, num_warps=4)
     else:
-        v = target.shape[2]
+        r, v = target.shape[1], target.shape[2]
+        ch = min(SUM_CHUNK, max(2, next_pow2(v)))
+        nch = triton.cdiv(v, ch)
+        sums = torch.empty(n, r, nch, dtype=torch.int64, device=dev)
+        _mass_sums_kernel[(n * r, nch)](target, target.stride(0), target.stride(1), target.stride(2), sums,
+                                        r, v, nch, CH=ch, num_warps=4)
         flags = torch.zeros(n, v, dtype=torch.int8, device=dev)
         _walk_sampled_kernel[(n,)](target, target.stride(0), target.stride(1), target.stride(2),
-                                   uniforms, uniforms.stride(0), uniforms.stride(1), tk, par, num, flags,
-                                   rows, toks, nacc, bmax, V=v, L=L, BP=bp, BV=min(4096, max(2, next_pow2(v))),
-                                   num_warps=8)
+                                   uniforms, uniforms.stride(0), uniforms.stride(1), sums, tk, par, num, flags,
+                                   rows, toks, nacc, bmax, r, v, nch, L=L, BP=bp, CH=ch,
+                                   NCHP=max(2, next_pow2(nch)), num_warps=8)
     return WalkResult(rows, toks, nacc)
 
 

@@ -124,6 +124,23 @@ def test_triton_walks_match_torch():
         assert int(a.num_accepted.max()) >= 1
 
 
+@needs_triton
+def test_triton_sampled_many_chunks(monkeypatch):
+    """Small chunks: the bonus search crosses chunk boundaries and skips children."""
+    from ddtree_patcher.core import tree_walk
+
+    monkeypatch.setattr(tree_walk, "SUM_CHUNK", 4)
+    g = torch.Generator().manual_seed(4)
+    for v in (5, 37):
+        tree, am, p, u = _random_case(g, 6, 4, v, 12, follow=0.5)
+        tree = _to(tree, DEV)
+        p, u = p.to(DEV), u.to(DEV)
+        a = walk_sampled(p, tree, u, backend="torch")
+        b = walk_sampled(p, tree, u, backend="triton")
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
 def _to(tree, dev):
     import dataclasses
 
