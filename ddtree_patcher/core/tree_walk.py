@@ -181,7 +181,8 @@ if HAS_TRITON:
     @triton.jit
     def _walk_sampled_kernel(p_ptr, s_pn, s_pr, s_pv, u_ptr, s_un, s_us, sums_ptr, tok_ptr, par_ptr, num_ptr,
                              flag_ptr, rows_ptr, out_ptr, nacc_ptr, BMAX, R, V, NCH,
-                             L: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, NCHP: tl.constexpr):
+                             L: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, NCHP: tl.constexpr,
+                             KB: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         SCALE: tl.constexpr = 1099511627776.0  # 2**40
         j = tl.arange(0, BP)
@@ -223,9 +224,16 @@ if HAS_TRITON:
         row = p_ptr + n * s_pn + brow * s_pr
         child = valid & (par == brow - 1)
         tl.store(flag_ptr + n * V + tk, tl.full([BP], 1, tl.int8), mask=child)
-        pc = tl.load(row + tk * s_pv, mask=child, other=0.0).to(tl.float32)
-        cm = tl.where(child, (tl.where(pc > 0, pc, 0.0) * SCALE).to(tl.int64), 0)
-        sub = tl.sum(tl.where((tk // CH)[None, :] == ch[:, None], cm[None, :], 0), 1)
+        sub = tl.zeros([NCHP], tl.int64)  # children's mass per chunk, KB nodes at a time
+        for k0 in range(0, BP, KB):
+            kk = k0 + tl.arange(0, KB)
+            km = (kk < BMAX) & (kk < num)
+            kp = tl.load(par_ptr + n * BMAX + kk, mask=km, other=-2)
+            kt = tl.load(tok_ptr + n * BMAX + kk, mask=km, other=0)
+            kc = km & (kp == brow - 1)
+            pc = tl.load(row + kt * s_pv, mask=kc, other=0.0).to(tl.float32)
+            cm = tl.where(kc, (tl.where(pc > 0, pc, 0.0) * SCALE).to(tl.int64), 0)
+            sub += tl.sum(tl.where((kt // CH)[None, :] == ch[:, None], cm[None, :], 0), 1)
         ns = tl.load(sums_ptr + (n * R + brow) * NCH + ch, mask=chm, other=0) - sub
         cum = tl.cumsum(ns, 0)
         cstar = tl.min(tl.where(chm & (cum > bt), ch, NCHP), 0)
@@ -267,7 +275,7 @@ def _walk_triton(kind, target, tree, uniforms=None):
         _walk_sampled_kernel[(n,)](target, target.stride(0), target.stride(1), target.stride(2),
                                    uniforms, uniforms.stride(0), uniforms.stride(1), sums, tk, par, num, flags,
                                    rows, toks, nacc, bmax, r, v, nch, L=L, BP=bp, CH=ch,
-                                   NCHP=max(2, next_pow2(nch)), num_warps=8)
+                                   NCHP=max(2, next_pow2(nch)), KB=min(bp, 64), num_warps=8)
     return WalkResult(rows, toks, nacc)
 
 

@@ -141,6 +141,8 @@ def test_triton_matches_torch():
         # big CUDA cases only as logits (the benchmark's kernel variant: fewer compiles)
         for logprobs in ((True, False) if (CUDA and i < 5) else (i % 2 == 0,)):
             x = (lp if logprobs else lp * 1.7 + 3).to(DEV)
+            if i >= 5:
+                x = x.to(torch.bfloat16)  # like the benchmark (shares its compiled kernels)
             a = build_tree(x, bud.to(DEV), b, logprobs=logprobs, backend="torch")
             t = build_tree(x, bud.to(DEV), b, logprobs=logprobs, backend="triton")
             assert_same_tree(a, t)
