@@ -1,6 +1,8 @@
 """The registry of transforms, in the order they are composed onto a file."""
 
+from .ddtree import PROPOSER as DDTREE_PROPOSER
+from .ddtree import SAMPLER as DDTREE_SAMPLER
 from .dflash_layer_offset import TRANSFORM as DFLASH_LAYER_OFFSET
 
-TRANSFORMS = (DFLASH_LAYER_OFFSET,)
+TRANSFORMS = (DFLASH_LAYER_OFFSET, DDTREE_PROPOSER, DDTREE_SAMPLER)
 BY_NAME = {t.name: t for t in TRANSFORMS}

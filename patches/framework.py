@@ -106,9 +106,15 @@ def function_code(source: str, qualname: str) -> str | None:
     """Source of one function, or None when it is not there exactly once.  Uses ``ast``
     (about 10x faster than libcst): detectors run on every status and plan."""
     try:
-        return ast.get_source_segment(source, _find_ast_function(source, qualname))
+        node = _find_ast_function(source, qualname)
     except AnchorError:
         return None
+    return "".join(_lines(source)[node.lineno - 1: node.end_lineno])
+
+
+@functools.lru_cache(maxsize=16)
+def _lines(source: str) -> tuple[str, ...]:
+    return tuple(source.splitlines(keepends=True))
 
 
 def edit_function(source: str, qualname: str,
@@ -121,23 +127,130 @@ def edit_function(source: str, qualname: str,
     return several statements (``cst.FlattenSentinel``), e.g. to add a method after it.
     """
     node = _find_ast_function(source, qualname)
+    return _splice(source, node, edit, lambda: _edit_function_whole(source, qualname, edit))
+
+
+def edit_statement(source: str, where: str, locate: Callable[[ast.stmt], bool],
+                   edit: Callable[[cst.BaseStatement], cst.BaseStatement | cst.FlattenSentinel]
+                   ) -> str:
+    """Like edit_function for one statement found by an ``ast`` predicate over the
+    statements of a class body (``where`` = class qualname) or the module (``""``)."""
+    body = _ast(source).body
+    for part in [p for p in where.split(".") if p]:
+        hits = [n for n in body if isinstance(n, ast.ClassDef) and n.name == part]
+        if len(hits) != 1:
+            raise AnchorError(f"class {part} found {len(hits)} times (need exactly 1)")
+        body = hits[0].body
+    hits = [n for n in body if locate(n)]
+    if len(hits) != 1:
+        raise AnchorError(f"statement in {where or 'module'} found {len(hits)} times "
+                          "(need exactly 1)")
+    return _splice(source, hits[0], edit, None)
+
+
+def _splice(source: str, node: ast.AST, edit, slow) -> str:
     lines = source.splitlines(keepends=True)
-    start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+    start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
     end = node.end_lineno
     segment = "".join(lines[start:end])
     indent = segment[: len(segment) - len(segment.lstrip(" "))]
-    body = textwrap.dedent(segment)
-    if not body.startswith(("def ", "async def ", "@")) or \
-            any(line.strip() and not line.startswith(indent) for line in lines[start:end]):
-        return _edit_function_whole(source, qualname, edit)  # odd indentation: slow path
-    module = cst.parse_module(body)
-    fn = module.body[0]
-    new = edit(fn)
+    if any(line.strip() and not line.startswith(indent) for line in lines[start:end]):
+        if slow is None:
+            raise AnchorError("statement with unusual indentation")
+        return slow()  # e.g. a docstring line indented less than the def
+    module = cst.parse_module(textwrap.dedent(segment))
+    new = edit(module.body[0])
     stmts = list(new.nodes) if isinstance(new, cst.FlattenSentinel) else [new]
     code = module.with_changes(body=stmts).code
     code = "".join(indent + line if line.strip() else line
                    for line in code.splitlines(keepends=True))
     return "".join(lines[:start]) + code + "".join(lines[end:])
+
+
+def statements(code: str) -> list[cst.BaseStatement]:
+    return list(cst.parse_module(textwrap.dedent(code)).body)
+
+
+def insert_near(source: str, qualname: str, match: Callable[[str], bool], code: str,
+                before: bool = False, replace: bool = False) -> str:
+    """Insert ``code`` after (or before, or instead of) the one simple statement of a
+    function whose source satisfies ``match``; libcst indents it for its block."""
+    new = statements(code)
+
+    def edit(fn):
+        hits = []
+        empty = cst.Module([])
+
+        class Find(cst.CSTVisitor):
+            def visit_SimpleStatementLine(self, node):
+                if match(empty.code_for_node(node)):
+                    hits.append(node)
+
+        fn.visit(Find())
+        if len(hits) != 1:
+            raise AnchorError(f"anchor statement in {qualname} found {len(hits)} times "
+                              "(need exactly 1)")
+
+        class Insert(cst.CSTTransformer):
+            def leave_SimpleStatementLine(self, original, updated):
+                if original is not hits[0]:
+                    return updated
+                if replace:
+                    return cst.FlattenSentinel(new)
+                return cst.FlattenSentinel(new + [updated] if before else [updated] + new)
+
+        return fn.visit(Insert())
+
+    return edit_function(source, qualname, edit)
+
+
+def insert_at_start(source: str, qualname: str, code: str) -> str:
+    """Insert ``code`` as the first statements of a function (after its docstring)."""
+    new = statements(code)
+
+    def edit(fn):
+        body = list(fn.body.body)
+        at = 1 if body and m.matches(body[0], m.SimpleStatementLine(
+            body=[m.Expr(m.SimpleString() | m.ConcatenatedString())])) else 0
+        return fn.with_changes(body=fn.body.with_changes(body=body[:at] + new + body[at:]))
+
+    return edit_function(source, qualname, edit)
+
+
+def add_after_function(source: str, qualname: str, code: str) -> str:
+    """Add functions / methods right after ``qualname`` (same indentation)."""
+    new = statements(code)
+    return edit_function(source, qualname, lambda fn: cst.FlattenSentinel([fn] + new))
+
+
+def insert_class_statements(source: str, cls: str, after: Callable[[ast.stmt], bool],
+                            code: str) -> str:
+    """Add class-body statements (e.g. fields) after the one statement ``after``
+    selects, keeping a docstring that follows it attached to it."""
+    body = _ast(source).body
+    for part in cls.split("."):
+        hits = [n for n in body if isinstance(n, ast.ClassDef) and n.name == part]
+        if len(hits) != 1:
+            raise AnchorError(f"class {part} found {len(hits)} times (need exactly 1)")
+        body = hits[0].body
+    idx = [i for i, n in enumerate(body) if after(n)]
+    if len(idx) != 1:
+        raise AnchorError(f"anchor in class {cls} found {len(idx)} times (need exactly 1)")
+    i = idx[0]
+    if i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) and \
+            isinstance(getattr(body[i + 1], "value", None), ast.Constant) and \
+            isinstance(body[i + 1].value.value, str):
+        i += 1
+    anchor = body[i]
+    lines = source.splitlines(keepends=True)
+    first = lines[body[0].lineno - 1]
+    indent = first[: len(first) - len(first.lstrip(" "))]
+    statements(code)  # must parse
+    block = "".join(indent + line if line.strip() else line
+                    for line in textwrap.dedent(code).splitlines(keepends=True))
+    if not block.endswith("\n"):
+        block += "\n"
+    return "".join(lines[: anchor.end_lineno]) + block + "".join(lines[anchor.end_lineno:])
 
 
 def _find_ast_function(source: str, qualname: str) -> ast.AST:
@@ -186,3 +299,41 @@ def expr(code: str) -> cst.BaseExpression:
 
 def stmt(code: str) -> cst.BaseStatement:
     return cst.parse_statement(code)
+
+
+# ---------------------------------------------------------------- edits made of steps
+
+
+@dataclass(frozen=True)
+class Step:
+    """One anchored edit inside a file; ``marker`` is text the edited function (or, with
+    qualname "", the file) contains once the step is applied, or a predicate on it."""
+
+    qualname: str
+    apply: Callable[[str], str]
+    marker: str | Callable[[str], bool]
+
+
+def _step_applied(source: str, step: Step) -> bool:
+    code = function_code(source, step.qualname) if step.qualname else source
+    if code is None:
+        return False
+    return step.marker(code) if callable(step.marker) else step.marker in code
+
+
+def file_edit(path: str, steps: Sequence[Step], what: str = "") -> FileEdit:
+    """A FileEdit made of steps; applying skips steps already present (idempotent)."""
+    steps = tuple(steps)
+
+    def apply(source: str) -> str:
+        for st in steps:
+            if not _step_applied(source, st):
+                source = st.apply(source)
+                if not _step_applied(source, st):
+                    raise AnchorError(f"step on {st.qualname or path} did not take effect")
+        return source
+
+    def is_applied(source: str) -> bool:
+        return all(_step_applied(source, st) for st in steps)
+
+    return FileEdit(path, apply, is_applied, what)

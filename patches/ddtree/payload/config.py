@@ -1,0 +1,104 @@
+"""DDTree settings on SpeculativeConfig, and what DDTree refuses (clearly, up front)."""
+
+from __future__ import annotations
+
+METHOD = "ddtree"
+
+
+def ddtree_pre_init(spec) -> None:
+    """method="ddtree" -> a DFlash drafter whose drafts become a tree of B nodes.
+
+    Runs first in SpeculativeConfig.__post_init__.  Every DFlash code path keeps
+    seeing method "dflash"; ``ddtree_budget`` (B) switches the tree on.
+    """
+    knobs = {k: getattr(spec, k) for k in ("ddtree_depth", "ddtree_synthetic")
+             if getattr(spec, k, None) is not None}
+    if spec.method != METHOD:
+        if knobs or getattr(spec, "ddtree_budget", None) is not None:
+            raise ValueError(f"{', '.join(knobs) or 'ddtree_budget'} needs "
+                             f"method='{METHOD}'")
+        return
+    if spec.model is None:
+        raise ValueError("method='ddtree' needs a DFlash drafter: pass "
+                         "speculative_config['model']")
+    if spec.num_speculative_tokens is None:
+        raise ValueError("method='ddtree' needs num_speculative_tokens = the tree budget "
+                         "B (number of draft nodes verified per step)")
+    spec.method = "dflash"
+    spec.ddtree_budget = spec.num_speculative_tokens
+
+
+def ddtree_post_init(spec) -> None:
+    """Checks once the draft model config exists (end of __post_init__)."""
+    if getattr(spec, "ddtree_budget", None) is None:
+        return
+    hf = spec.draft_model_config.hf_config if spec.draft_model_config else None
+    dflash_config = getattr(hf, "dflash_config", None)
+    if not isinstance(dflash_config, dict):
+        raise ValueError("method='ddtree' needs a DFlash drafter (its config has no "
+                         "dflash_config); got architectures "
+                         f"{getattr(hf, 'architectures', None)}")
+    if spec.ddtree_depth is None:
+        block = getattr(hf, "block_size", None)
+        spec.ddtree_depth = int(block) - 1 if block and int(block) > 1 else 15
+    if spec.ddtree_depth < 1:
+        raise ValueError(f"ddtree_depth must be >= 1, got {spec.ddtree_depth}")
+    vocab = getattr(hf, "vocab_size", None) or getattr(hf, "draft_vocab_size", None)
+    if vocab and spec.ddtree_budget > spec.ddtree_depth * int(vocab):
+        raise ValueError(f"ddtree budget {spec.ddtree_budget} exceeds depth x vocab "
+                         f"({spec.ddtree_depth} x {vocab}): no tree that large exists")
+    if spec.draft_sample_method != "greedy":
+        raise ValueError("method='ddtree' builds its tree from the drafter's "
+                         "distributions: draft_sample_method must stay 'greedy'")
+    if spec.rejection_sample_method != "standard":
+        raise ValueError("method='ddtree' verifies with its own tree sampler: "
+                         "rejection_sample_method must stay 'standard'")
+    if getattr(spec, "disable_padded_drafter_batch", False):
+        raise ValueError("method='ddtree' needs the padded drafter batch "
+                         "(disable_padded_drafter_batch=False)")
+
+
+def validate_request(params) -> None:
+    """Sampling features the tree sampler does not implement are refused per request
+    (instead of silently ignoring them, which would change the output)."""
+    bad = []
+    if params.logprobs is not None:
+        bad.append("logprobs")
+    if params.presence_penalty or params.frequency_penalty or \
+            params.repetition_penalty != 1.0:
+        bad.append("presence/frequency/repetition penalties")
+    if getattr(params, "bad_words", None):
+        bad.append("bad_words")
+    if getattr(params, "logit_bias", None):
+        bad.append("logit_bias")
+    if getattr(params, "allowed_token_ids", None):
+        bad.append("allowed_token_ids")
+    if getattr(params, "min_tokens", 0):
+        bad.append("min_tokens")
+    if getattr(params, "min_p", 0.0):
+        bad.append("min_p")
+    if getattr(params, "structured_outputs", None) is not None:
+        bad.append("structured outputs")
+    if getattr(params, "thinking_token_budget", None) is not None:
+        bad.append("thinking_token_budget")
+    if getattr(params, "logprob_token_ids", None):
+        bad.append("logprob_token_ids")
+    if bad:
+        raise ValueError("speculative method 'ddtree' does not support "
+                         + ", ".join(bad) + " yet; drop them or serve without DDTree")
+
+
+def ddtree_vllm_config(vllm_config) -> None:
+    """Engine-wide settings DDTree needs (start of VllmConfig.__post_init__)."""
+    sched = vllm_config.scheduler_config
+    if sched.async_scheduling:
+        raise ValueError("method='ddtree' runs with synchronous scheduling for now: drop "
+                         "async_scheduling=True (--async-scheduling)")
+    sched.async_scheduling = False
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError("method='ddtree' runs on the V1 model runner: unset "
+                         "VLLM_USE_V2_MODEL_RUNNER")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("method='ddtree' does not support pipeline parallelism yet")

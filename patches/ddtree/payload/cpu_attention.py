@@ -1,0 +1,92 @@
+"""Tree attention for vLLM's CPU backend: torch over the paged KV cache.
+
+The CPU kernel takes no mask, so verify steps with a tree run here: every query row
+sees the request's whole context plus, among this step's rows, its ancestors and
+itself.  The K/V layout inside a CPU cache block depends on the ISA (K is stored
+transposed on the plain vector ISA), so it is read off the backend's own writer
+once (``_layout``) rather than assumed.  Also the oracle for the CUDA path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm import _custom_ops as ops
+
+
+def _digits(n: torch.Tensor, k: int) -> torch.Tensor:
+    return (n // (64 ** k)) % 64 + 1  # small integers: exact in fp16/bf16/fp32
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype):
+    """(k_index, v_index): flat offset, inside one (block, head) region of
+    2 * block_size * head_size elements, of element (token, dim) of K and of V."""
+    n = block_size * head_size
+    token = torch.arange(block_size).view(-1, 1, 1).expand(block_size, 1, head_size)
+    dim = torch.arange(head_size).view(1, 1, -1).expand(block_size, 1, head_size)
+    slots = torch.arange(block_size, dtype=torch.int64)
+    found = {}
+    for name, src in (("t", token), ("d", dim)):
+        for k in range(3):
+            kv = torch.zeros(1, 1, 2 * block_size, head_size, dtype=dtype)
+            kc, vc = kv.chunk(2, dim=2)
+            code = _digits(src, k).to(dtype).contiguous()
+            ops.cpu_attn_reshape_and_cache(code, code, kc, vc, slots, isa)
+            found[name, k] = kv.reshape(-1).to(torch.int64) - 1
+    t = sum(found["t", k] * 64 ** k for k in range(3))
+    d = sum(found["d", k] * 64 ** k for k in range(3))
+    idx = t * head_size + d  # which (token, dim) each raw element holds
+    k_index = torch.empty(n, dtype=torch.int64)
+    v_index = torch.empty(n, dtype=torch.int64)
+    pos = torch.arange(2 * n)
+    k_index[idx[:n]] = pos[:n]
+    v_index[idx[n:]] = pos[n:]
+    return k_index, v_index
+
+
+def read_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, isa: str):
+    """K, V [length, H, D] of one sequence, through its block ids."""
+    nb, heads, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    k_index, v_index = _layout(isa, bs, d, kv_cache.dtype)
+    raw = kv_cache.view(nb, heads, 2 * bs * d)[blocks]  # [nblk, H, 2*bs*D]
+    k = raw[:, :, k_index].view(-1, heads, bs, d).permute(0, 2, 1, 3).reshape(-1, heads, d)
+    v = raw[:, :, v_index].view(-1, heads, bs, d).permute(0, 2, 1, 3).reshape(-1, heads, d)
+    return k[:length], v[:length]
+
+
+def tree_attention(impl, layer, query, key, value, kv_cache, md, output):
+    """Attention for a DDTree verify step (all requests of the batch)."""
+    window = impl.sliding_window
+    if impl.alibi_slopes is not None or impl.logits_soft_cap or impl.sinks is not None \
+            or getattr(impl, "kv_cache_dtype", "auto") not in ("auto", None) \
+            or window not in (None, -1, (-1, -1)):
+        raise NotImplementedError("DDTree tree attention on CPU supports plain full "
+                                  "attention in the target (no sliding window, ALiBi, "
+                                  "softcap, sinks or quantised KV)")
+    step = md.ddtree
+    n = md.num_actual_tokens
+    qsl = md.query_start_loc.tolist()
+    seq_lens = md.seq_lens.tolist()
+    group = impl.num_heads // impl.num_kv_heads
+    for r in range(len(qsl) - 1):
+        q0, q1 = qsl[r], qsl[r + 1]
+        if q1 == q0:
+            continue
+        q_len, seq_len = q1 - q0, seq_lens[r]
+        bs = kv_cache.shape[2]
+        blocks = md.block_table[r, : (seq_len + bs - 1) // bs].to(torch.int64)
+        k, v = read_kv(kv_cache, blocks, seq_len, layer.isa)
+        q = query[q0:q1].float()
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * impl.scale
+        allowed = step.visible(r, q_len, seq_len)
+        scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        output[q0:q1].copy_(out.reshape(output[q0:q1].shape).to(output.dtype))
+    step.stash_kv(layer, impl, kv_cache, key[:n], value[:n], md.slot_mapping[:n])
+    return output

@@ -1,0 +1,58 @@
+"""DDTreeProposer: the DFlash drafter pass, turned into a tree of B draft tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from .core import build_tree
+
+
+class DDTreeProposer(DFlashProposer):
+    """DFlash with L = ddtree_depth mask queries; returns [N, B] tree tokens in pop
+    order and hands the tree (parents, depths) to the runner's DDTree runtime."""
+
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        spec = vllm_config.speculative_config
+        self.ddtree_budget = spec.ddtree_budget
+        self.ddtree_depth = spec.ddtree_depth
+        self._ddtree_runner = runner
+        self._ddtree_tokens = None
+        self._ddtree_call = None
+        self._ddtree_synthetic = None
+        if spec.ddtree_synthetic:
+            from .synthetic import SyntheticDrafter
+
+            self._ddtree_synthetic = SyntheticDrafter.load(spec.ddtree_synthetic)
+        if getattr(self, "use_heterogeneous_vocab", False):
+            raise ValueError("method='ddtree' needs the drafter to share the target's "
+                             "vocabulary")
+
+    def propose(self, *args, **kwargs):
+        # The runner asks for B tokens; the drafter itself runs L mask queries.
+        if args:
+            args = (self.ddtree_depth,) + tuple(args[1:])
+        else:
+            kwargs["num_speculative_tokens"] = self.ddtree_depth
+        self._ddtree_call = kwargs
+        self._ddtree_tokens = None
+        out = super().propose(*args, **kwargs)
+        tokens, self._ddtree_tokens, self._ddtree_call = self._ddtree_tokens, None, None
+        return out if tokens is None else tokens
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        depth = self.num_speculative_tokens  # == ddtree_depth inside propose()
+        logits = self.model.compute_logits(hidden_states).float()
+        n = logits.shape[0] // depth
+        logits = logits.view(n, depth, -1)
+        if self._ddtree_synthetic is not None and self._ddtree_call is not None:
+            logits = self._ddtree_synthetic.logits(self._ddtree_runner, self._ddtree_call,
+                                                   n, depth, logits)
+        tree = build_tree(logits, self.ddtree_budget, self.ddtree_budget)
+        runtime = getattr(self._ddtree_runner, "ddtree", None)
+        if runtime is not None:
+            runtime.store_trees(self._ddtree_runner.input_batch.req_ids[:n], tree)
+        self._ddtree_tokens = tree.tokens
+        return torch.zeros(n * depth, dtype=torch.long, device=logits.device), None

@@ -1,0 +1,88 @@
+"""DDTreeSampler: the tree rejection sampler (drop-in for vLLM's RejectionSampler).
+
+Same call and output as RejectionSampler.forward: [N, D+1] token ids, the accepted
+path then the bonus token, -1 padded.  Verify rows per request: row 0 is the root
+(the token the step started from), row 1 + j is draft node j.  Greedy: follow the
+child whose token is the target argmax.  Sampling: target-only and lossless
+(core.walk_sampled); temperature / top-k / top-p as vLLM applies them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from vllm.v1.outputs import SamplerOutput
+
+from .core import DDTree, target_probs, walk_greedy, walk_sampled
+
+
+class DDTreeSampler(nn.Module):
+    def __init__(self, runtime, sampler):
+        super().__init__()
+        self.runtime = runtime
+        self.sampler = sampler
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        num_drafts = list(metadata.num_draft_tokens)
+        n = len(num_drafts)
+        dmax = max(num_drafts)
+        dev = logits.device
+        step = self.runtime.step
+        tree = step.tree if step is not None and step.num_drafts == num_drafts else \
+            self._chains(metadata, num_drafts, dev)
+        # logits rows of request i: [root, node 0 .. node d_i - 1]; pads repeat the
+        # last row (never a child, so the walk never reads them)
+        starts, k = [], 0
+        for d in num_drafts:
+            starts.append(k)
+            k += d + 1
+        offs = torch.arange(dmax + 1)
+        idx = torch.tensor(starts)[:, None] + torch.minimum(
+            offs[None, :], torch.tensor(num_drafts)[:, None])
+        rows = logits[idx.reshape(-1).to(dev)].view(n, dmax + 1, -1)
+        if sampling_metadata.all_greedy:
+            res = walk_greedy(rows.argmax(-1), tree)
+        else:
+            temp = sampling_metadata.temperature
+            probs = target_probs(rows, temp[:n], _cut(sampling_metadata.top_k, n),
+                                 _cut(sampling_metadata.top_p, n))
+            res = walk_sampled(probs, tree, self._uniforms(n, tree.max_depth + 1,
+                                                          sampling_metadata, dev))
+        self.runtime.walk = res
+        out = torch.full((n, dmax + 1), -1, dtype=torch.int32, device=dev)
+        width = min(res.output_tokens.shape[1], dmax + 1)
+        out[:, :width] = res.output_tokens[:, :width].to(torch.int32)
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+    @staticmethod
+    def _chains(metadata, num_drafts, dev) -> DDTree:
+        """Drafts without a stored tree (e.g. the warm-up run) are verified as chains."""
+        n, dmax = len(num_drafts), max(num_drafts)
+        tokens = torch.zeros(n, dmax, dtype=torch.int64, device=dev)
+        flat = metadata.draft_token_ids.to(torch.int64)
+        k = 0
+        for i, d in enumerate(num_drafts):
+            tokens[i, :d] = flat[k:k + d]
+            k += d
+        ar = torch.arange(dmax, device=dev)
+        parents = (ar - 1).expand(n, dmax).clone()
+        depths = (ar + 1).expand(n, dmax).clone()
+        num = torch.tensor(num_drafts, dtype=torch.int64, device=dev)
+        return DDTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num,
+                      scores=torch.zeros(n, dmax, device=dev), ancestor_mask=None,
+                      position_offsets=torch.zeros(n, dmax + 1, dtype=torch.int64,
+                                                   device=dev),
+                      max_depth=dmax, max_budget=dmax)
+
+    @staticmethod
+    def _uniforms(n, width, sampling_metadata, dev) -> torch.Tensor:
+        u = torch.rand(n, width, device=dev)
+        for i, gen in sampling_metadata.generators.items():
+            if i < n:
+                u[i] = torch.rand(width, generator=gen, device=gen.device).to(dev)
+        return u
+
+
+def _cut(t, n):
+    return None if t is None else t[:n]

@@ -1,0 +1,159 @@
+"""DDTree hooks for vLLM 0.32.0 and 0.33.0 (V1 runner; CPU attention backend).
+
+Each hook is a few lines that call into the added package vllm/v1/spec_decode/ddtree
+(payload/), so the upstream files change as little as possible.
+"""
+
+import ast
+from functools import partial
+
+import libcst as cst
+
+from ..framework import (Step, add_after_function, edit_statement, expr, file_edit,
+                         insert_at_start, insert_class_statements, insert_near)
+
+SPEC = "vllm/config/speculative.py"
+VLLM = "vllm/config/vllm.py"
+RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+CPU_ATTN = "vllm/v1/attention/backends/cpu_attn.py"
+INPUT = "vllm/v1/engine/input_processor.py"
+PKG = "vllm.v1.spec_decode.ddtree"
+
+
+def _add_method_literal(source: str) -> str:
+    def locate(n):
+        return isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "SpeculativeMethod" for t in n.targets)
+
+    def edit(stmt):
+        assign = stmt.body[0]
+        sub = assign.value  # Literal[...]
+        elems = list(sub.slice)
+        # keep the list's layout: the old last element takes the separator style of
+        # the others, the new one the closing style of the old last one
+        new = elems[-1].with_changes(slice=cst.Index(cst.SimpleString('"ddtree"')))
+        last = elems[-1].with_changes(comma=elems[-2].comma)
+        return stmt.with_changes(body=[assign.with_changes(
+            value=sub.with_changes(slice=elems[:-1] + [last, new]))])
+
+    return edit_statement(source, "", locate, edit)
+
+
+FIELDS = '''ddtree_budget: int | None = None
+"""DDTree tree budget B (set from num_speculative_tokens by method="ddtree")."""
+ddtree_depth: int | None = None
+"""DDTree: drafter positions L per step (default: drafter block_size - 1)."""
+ddtree_synthetic: str | None = None
+"""DDTree testing aid: JSON file with a synthetic drafter profile (see
+vllm/v1/spec_decode/ddtree/synthetic.py)."""
+'''
+
+
+def _is_method_field(n):
+    return isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and \
+        n.target.id == "method"
+
+
+def _has_method_literal(source: str) -> bool:
+    for n in ast.parse(source).body:
+        if isinstance(n, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "SpeculativeMethod" for t in n.targets):
+            return "'ddtree'" in ast.dump(n)
+    return False
+
+
+SPEC_EDIT = file_edit(SPEC, [
+    Step("", _add_method_literal, _has_method_literal),
+    Step("", partial(insert_class_statements, cls="SpeculativeConfig",
+                     after=_is_method_field, code=FIELDS), "ddtree_budget: int | None"),
+    Step("SpeculativeConfig.__post_init__", partial(
+        insert_at_start, qualname="SpeculativeConfig.__post_init__",
+        code=f"from {PKG}.config import ddtree_pre_init\nddtree_pre_init(self)\n"),
+        "ddtree_pre_init(self)"),
+    Step("SpeculativeConfig.__post_init__", partial(
+        insert_near, qualname="SpeculativeConfig.__post_init__",
+        match=lambda c: c.strip() == "return self", before=True,
+        code=f"from {PKG}.config import ddtree_post_init\nddtree_post_init(self)\n"),
+        "ddtree_post_init(self)"),
+    Step("SpeculativeConfig.use_ddtree", partial(
+        add_after_function, qualname="SpeculativeConfig.use_dflash",
+        code="def use_ddtree(self) -> bool:\n"
+             "    return getattr(self, 'ddtree_budget', None) is not None\n"),
+        "ddtree_budget"),
+], "method 'ddtree', its knobs and their validation")
+
+VLLM_EDIT = file_edit(VLLM, [
+    Step("VllmConfig.__post_init__", partial(
+        insert_at_start, qualname="VllmConfig.__post_init__",
+        code=f"if getattr(self.speculative_config, 'ddtree_budget', None) is not None:\n"
+             f"    from {PKG}.config import ddtree_vllm_config\n"
+             f"    ddtree_vllm_config(self)\n"), "ddtree_vllm_config(self)"),
+    Step("VllmConfig._get_v2_model_runner_unsupported_features", partial(
+        insert_near, qualname="VllmConfig._get_v2_model_runner_unsupported_features",
+        match=lambda c: c.strip() == "unsupported: list[str] = []",
+        code="if getattr(self.speculative_config, 'ddtree_budget', None) is not None:\n"
+             "    unsupported.append('DDTree tree speculative decoding')\n"),
+        "DDTree tree speculative decoding"),
+], "synchronous scheduling and the V1 runner for DDTree")
+
+PROPOSER_RUNNER_EDIT = file_edit(RUNNER, [
+    Step("GPUModelRunner.__init__", partial(
+        insert_near, qualname="GPUModelRunner.__init__",
+        match=lambda c: c.strip() == "self.drafter = DFlashProposer(self.vllm_config, "
+                                     "self.device, self)",
+        replace=True,
+        code=f"if self.speculative_config.use_ddtree():\n"
+             f"    from {PKG}.proposer import DDTreeProposer\n"
+             f"    self.drafter = DDTreeProposer(self.vllm_config, self.device, self)\n"
+             f"else:\n"
+             f"    self.drafter = DFlashProposer(self.vllm_config, self.device, self)\n"),
+        "DDTreeProposer"),
+], "DFlash drafter -> DDTreeProposer when method='ddtree'")
+
+INPUT_EDIT = file_edit(INPUT, [
+    Step("InputProcessor._validate_params", partial(
+        insert_near, qualname="InputProcessor._validate_params",
+        match=lambda c: c.lstrip().startswith("params.verify(") and "speculative_config" in c,
+        code=f"if getattr(self.speculative_config, 'ddtree_budget', None) is not None:\n"
+             f"    from {PKG}.config import validate_request\n"
+             f"    validate_request(params)\n"), "validate_request(params)"),
+], "refuse sampling features DDTree does not implement, per request")
+
+SAMPLER_RUNNER_EDIT = file_edit(RUNNER, [
+    Step("GPUModelRunner.__init__", partial(
+        insert_near, qualname="GPUModelRunner.__init__",
+        match=lambda c: c.strip().startswith("self.rejection_sampler = RejectionSampler("),
+        code=f"self.ddtree = None\n"
+             f"if self.speculative_config.use_ddtree():\n"
+             f"    from {PKG}.runtime import DDTreeRuntime\n"
+             f"    self.ddtree = DDTreeRuntime(self)\n"
+             f"    self.rejection_sampler = self.ddtree.sampler\n"), "DDTreeRuntime"),
+    Step("GPUModelRunner._prepare_inputs", partial(
+        insert_near, qualname="GPUModelRunner._prepare_inputs",
+        match=lambda c: "self.input_batch.block_table.compute_slot_mapping(" in c,
+        code="if getattr(self, 'ddtree', None) is not None:\n"
+             "    self.ddtree.prepare(scheduler_output, total_num_scheduled_tokens)\n"),
+        "self.ddtree.prepare("),
+    Step("GPUModelRunner.execute_model", partial(
+        insert_near, qualname="GPUModelRunner.execute_model",
+        match=lambda c: "= (" in c and "self._build_attention_metadata(" in c,
+        code="if getattr(self, 'ddtree', None) is not None:\n"
+             "    self.ddtree.attach(attn_metadata)\n"), "self.ddtree.attach("),
+    Step("GPUModelRunner.sample_tokens", partial(
+        insert_near, qualname="GPUModelRunner.sample_tokens",
+        match=lambda c: c.strip() == "sampler_output = self._sample(logits, "
+                                     "spec_decode_metadata)",
+        code="if getattr(self, 'ddtree', None) is not None:\n"
+             "    self.ddtree.commit(aux_hidden_states)\n"), "self.ddtree.commit("),
+], "tree sampler, tree positions, tree attention metadata, path commit")
+
+CPU_ATTN_EDIT = file_edit(CPU_ATTN, [
+    Step("CPUAttentionBackendImpl.forward", partial(
+        insert_near, qualname="CPUAttentionBackendImpl.forward",
+        match=lambda c: c.lstrip().startswith("ops.cpu_attention_with_kv_cache("),
+        before=True,
+        code=f"if getattr(attn_metadata, 'ddtree', None) is not None:\n"
+             f"    from {PKG}.cpu_attention import tree_attention\n"
+             f"    return tree_attention(self, layer, query, key, value, kv_cache,\n"
+             f"                          attn_metadata, output)\n"), "tree_attention("),
+], "CPU tree attention (ancestor-only mask) for DDTree verify steps")
