@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree_patcher.core import (  # noqa: E402
     build_tree,
+    build_tree_from_topk,
     build_tree_ports_style,
     compact_kv,
     walk_greedy,
@@ -157,6 +158,11 @@ def bench_build(Ns, Bs, L, V, gen, quick):
                     from ddtree_patcher.core.tree_build import row_logsumexp
                     row_logsumexp(draft)
                 record("build", cfg, "  part: topk+lse graph", lambda: t_graph(topk_only))
+                from ddtree_patcher.core.tree_build import row_logsumexp
+                vals, idx = torch.topk(draft, b, dim=-1, sorted=False)
+                lse = row_logsumexp(draft)
+                record("build", cfg, "  part: tree+mask from top-K graph",
+                       lambda: t_graph(lambda: build_tree_from_topk(vals, idx, b, b, lse)))
         del draft_full
         if CUDA:
             torch.cuda.empty_cache()

@@ -77,7 +77,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _compact_kernel(base_ptr, loff_ptr, src_ptr, dst_ptr, s_blk, s_tok, s_a, s_b, s_c, NB, NC, INNER,
-                        block_size, L: tl.constexpr, BLOCK: tl.constexpr):
+                        block_size, L: tl.constexpr, LP: tl.constexpr, BLOCK: tl.constexpr):
+        # One program = one request x layer x element range of every slot: load the
+        # whole [L, BLOCK] source tile, barrier, then store (overlap-safe, one round trip).
         n = tl.program_id(0).to(tl.int64)
         lay = tl.program_id(1)
         e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -87,14 +89,16 @@ if HAS_TRITON:
         c = e % NC
         inner = a.to(tl.int64) * s_a + b.to(tl.int64) * s_b + c.to(tl.int64) * s_c
         base = base_ptr + tl.load(loff_ptr + lay)
-        for j in range(0, L):  # in order: see the module docstring
-            src = tl.load(src_ptr + n * L + j)
-            dst = tl.load(dst_ptr + n * L + j)
-            ok = em & (src >= 0)
-            so = (src // block_size) * s_blk + (src % block_size) * s_tok
-            do = (dst // block_size) * s_blk + (dst % block_size) * s_tok
-            x = tl.load(base + so + inner, mask=ok)
-            tl.store(base + do + inner, x, mask=ok)
+        jj = tl.arange(0, LP)
+        jm = jj < L
+        src = tl.load(src_ptr + n * L + jj, mask=jm, other=-1)
+        dst = tl.load(dst_ptr + n * L + jj, mask=jm, other=-1)
+        ok = (src >= 0)[:, None] & em[None, :]
+        so = (src // block_size) * s_blk + (src % block_size) * s_tok
+        do = (dst // block_size) * s_blk + (dst % block_size) * s_tok
+        x = tl.load(base + so[:, None] + inner[None, :], mask=ok)
+        tl.debug_barrier()
+        tl.store(base + do[:, None] + inner[None, :], x, mask=ok)
 
 
 _LOFF: dict = {}
@@ -121,10 +125,11 @@ def _compact_triton(kv_caches, src, dst, block_size, layout):
         if loff is None:  # cached: no host-to-device copy inside CUDA-graph capture
             loff = _LOFF[key] = torch.tensor(offs, dtype=torch.int64, device=dev)
         inner = shape[2] * shape[3] * shape[4]
-        block = min(1024, next_pow2(inner))
+        lp = max(2, next_pow2(L))
+        block = max(2, min(next_pow2(inner), 4096 // lp))
         grid = (n, len(views), triton.cdiv(inner, block))
         _compact_kernel[grid](base, loff, src, dst, st[0], st[1], st[2], st[3], st[4], shape[3], shape[4], inner,
-                              block_size, L=L, BLOCK=block, num_warps=4)
+                              block_size, L=L, LP=lp, BLOCK=block, num_warps=4)
     return kv_caches
 
 

@@ -161,7 +161,7 @@ def _core_torch(q, tok, budget, bmax):
     dev = q.device
     ci, cr = candidate_pairs(bmax, k, dev)
     ci, cr = ci.long(), cr.long()
-    neg = torch.tensor(S_NEG, dtype=torch.int64, device=dev)
+    neg = torch.full((), S_NEG, dtype=torch.int64, device=dev)  # no host copy: capturable
     w = min(k, bmax)
     beam = torch.full((n, bmax), S_NEG, dtype=torch.int64, device=dev)
     q0 = q[:, 0, :w]
@@ -196,8 +196,14 @@ def _core_torch(q, tok, budget, bmax):
     tokens = tok.reshape(n, L * k).gather(1, d * k + rank)
     tokens = torch.where(valid, tokens, 0)
     depths = torch.where(valid, d + 1, 0)
-    sc = torch.where(valid, top, neg)
-    return tokens, parents, depths, sc, valid.sum(1)
+    sc = _float_scores(torch.where(valid, top, neg))
+    pos = torch.cat([torch.zeros(n, 1, dtype=torch.int64, device=dev), depths], 1)
+    return tokens, parents, depths, sc, pos, valid.sum(1)
+
+
+def _float_scores(sc: torch.Tensor) -> torch.Tensor:
+    """int64 fixed-point scores -> float32 log q (pads -inf); same ops as the kernel."""
+    return torch.where(sc > S_NEG, sc.double() / float(1 << FRAC_BITS), float("-inf")).float()
 
 
 def ancestor_mask_torch(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -233,8 +239,8 @@ if HAS_TRITON:
     @triton.jit
     def _build_kernel(
         vals_ptr, idx_ptr, lse_ptr, budget_ptr, ci_ptr, cr_ptr,
-        qs_ptr, tk_ptr, bs_ptr, bp_ptr, br_ptr, pos_ptr,
-        out_tok, out_par, out_dep, out_sc, out_num,
+        qs_ptr, tk_ptr, bp_ptr, br_ptr, pos_ptr,
+        out_tok, out_par, out_dep, out_sc, out_pos, out_num,
         K, H, BMAX,
         L: tl.constexpr, LP: tl.constexpr, HAS_LSE: tl.constexpr, KP: tl.constexpr, BP: tl.constexpr, HP: tl.constexpr,
         LBP: tl.constexpr, IDXB: tl.constexpr, IDXB2: tl.constexpr,
@@ -268,34 +274,33 @@ if HAS_TRITON:
         j = tl.arange(0, BP)
         w = tl.minimum(K, BMAX)
         q0 = tl.load(qs_ptr + n * L * KP + j, mask=j < w, other=QN)
-        tl.store(bs_ptr + n * L * BP + j, tl.where(q0 > QN, q0, SN))
+        beam = tl.where(q0 > QN, q0, SN)  # current beam scores, in registers
         tl.store(bp_ptr + n * L * BP + j, tl.full([BP], -1, tl.int32))
         tl.store(br_ptr + n * L * BP + j, j.to(tl.int32))
         # running global top-BP (key = score << IDXB2 | LBP-1-flat, flat = depth * BP + j)
         run = tl.where((j < BMAX) & (q0 > QN), (q0 << IDXB2) | (LBP - 1 - j), I64_MIN)
-        tl.debug_barrier()
         # 3) deeper beams over the static hyperbolic candidate pairs
         c = tl.arange(0, HP)
         cm = c < H
         ci = tl.load(ci_ptr + c, mask=cm, other=0)
         cr = tl.load(cr_ptr + c, mask=cm, other=0)
+        nl = tl.full([], L, tl.int32)
+        qd = tl.load(qs_ptr + (n * L + 1) * KP + cr, mask=cm & (nl > 1), other=QN)
         for d in range(1, L):
-            ps = tl.load(bs_ptr + (n * L + d - 1) * BP + ci, mask=cm, other=SN)
-            qd = tl.load(qs_ptr + (n * L + d) * KP + cr, mask=cm, other=QN)
+            ps = tl.gather(beam, ci, 0)
             ok3 = cm & (ps > SN) & (qd > QN)
             key3 = tl.where(ok3, ((ps + qd) << IDXB) | (HP - 1 - c), I64_MIN)
+            # prefetch the next depth's log-probs while this one is selected
+            qd = tl.load(qs_ptr + (n * L + d + 1) * KP + cr, mask=cm & (d + 1 < L), other=QN)
             top3 = tl.topk(key3, BP)
             vj = (j < BMAX) & (top3 > I64_MIN)
-            cidx = (HP - 1) - (top3 & (HP - 1))
-            pi = tl.load(ci_ptr + cidx, mask=vj, other=0)
-            rr = tl.load(cr_ptr + cidx, mask=vj, other=0)
-            tl.store(bs_ptr + (n * L + d) * BP + j, tl.where(vj, top3 >> IDXB, SN))
-            tl.store(bp_ptr + (n * L + d) * BP + j, pi)
-            tl.store(br_ptr + (n * L + d) * BP + j, rr)
-            gk = tl.where(vj, ((top3 >> IDXB) << IDXB2) | (LBP - 1 - (d * BP + j)), I64_MIN)
+            cidx = ((HP - 1) - (top3 & (HP - 1))).to(tl.int32)
+            beam = tl.where(vj, top3 >> IDXB, SN)
+            tl.store(bp_ptr + (n * L + d) * BP + j, tl.gather(ci, cidx, 0))
+            tl.store(br_ptr + (n * L + d) * BP + j, tl.gather(cr, cidx, 0))
+            gk = tl.where(vj, (beam << IDXB2) | (LBP - 1 - (d * BP + j)), I64_MIN)
             run = tl.topk(tl.reshape(tl.join(run, gk), [2 * BP]), BP)
-            tl.debug_barrier()
-        # 4) global order over all beams: (score desc, depth asc, beam index asc)
+        # 4) the running list is the global order: (score desc, depth asc, beam index asc)
         top = run
         bud = tl.load(budget_ptr + n)
         nv = (j < BMAX) & (j < bud) & (top > I64_MIN)
@@ -308,10 +313,14 @@ if HAS_TRITON:
         rk = tl.load(br_ptr + n * L * BP + flat, mask=nv, other=0).to(tl.int64)
         tv = tl.load(tk_ptr + (n * L + dd) * KP + rk, mask=nv, other=0)
         om = j < BMAX
+        dep = tl.where(nv, dd + 1, 0)
+        sc = tl.where(nv, (top >> IDXB2).to(tl.float64) / 67108864.0, float("-inf")).to(tl.float32)
         tl.store(out_tok + n * BMAX + j, tl.where(nv, tv, 0), mask=om)
         tl.store(out_par + n * BMAX + j, tl.where(nv & (dd > 0), pnode.to(tl.int64), -1), mask=om)
-        tl.store(out_dep + n * BMAX + j, tl.where(nv, dd + 1, 0), mask=om)
-        tl.store(out_sc + n * BMAX + j, tl.where(nv, top >> IDXB2, SN), mask=om)
+        tl.store(out_dep + n * BMAX + j, dep, mask=om)
+        tl.store(out_sc + n * BMAX + j, sc, mask=om)
+        tl.store(out_pos + n * (BMAX + 1) + 1 + j, dep, mask=om)
+        tl.store(out_pos + n * (BMAX + 1), 0)
         tl.store(out_num + n, tl.sum(nv.to(tl.int64), 0))
 
     @triton.jit
@@ -344,27 +353,27 @@ def _core_triton(vals, idx, lse, budget, bmax):
     i64 = dict(dtype=torch.int64, device=dev)
     qs = torch.empty(n, L, kp, **i64)
     tk = torch.empty(n, L, kp, **i64)
-    bsc = torch.empty(n, L, bp, **i64)
     bpar = torch.empty(n, L, bp, dtype=torch.int32, device=dev)
     brk = torch.empty(n, L, bp, dtype=torch.int32, device=dev)
     pos = torch.empty(n, lbp, dtype=torch.int32, device=dev)
     tokens = torch.empty(n, bmax, **i64)
     parents = torch.empty(n, bmax, **i64)
     depths = torch.empty(n, bmax, **i64)
-    sc = torch.empty(n, bmax, **i64)
+    sc = torch.empty(n, bmax, dtype=torch.float32, device=dev)
+    pos_off = torch.empty(n, bmax + 1, **i64)
     num = torch.empty(n, **i64)
     big = max(hp, next_pow2(L) * kp, 2 * bp)  # largest register tensor
     warps = 4 if big <= 1024 else (8 if big <= 4096 else 16)
     _build_kernel[(n,)](
         vals, idx, lse if lse is not None else vals, budget, ci, cr,
-        qs, tk, bsc, bpar, brk, pos,
-        tokens, parents, depths, sc, num,
+        qs, tk, bpar, brk, pos,
+        tokens, parents, depths, sc, pos_off, num,
         k, h, bmax,
         L=L, LP=next_pow2(L), HAS_LSE=lse is not None, KP=kp, BP=bp, HP=hp, LBP=lbp,
         IDXB=hp.bit_length() - 1, IDXB2=lbp.bit_length() - 1,
         num_warps=warps,
     )
-    return tokens, parents, depths, sc, num
+    return tokens, parents, depths, sc, pos_off, num
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int, backend: str = "auto") -> torch.Tensor:
@@ -403,12 +412,10 @@ def build_tree_from_topk(
     b = _budget_tensor(budget, n, max_budget, dev)
     if use_triton(vals, backend):
         lse_c = None if lse is None else lse.float().contiguous()
-        tokens, parents, depths, sc, num = _core_triton(vals, idx, lse_c, b, max_budget)
+        tokens, parents, depths, scores, pos, num = _core_triton(vals, idx, lse_c, b, max_budget)
     else:
         q, tok = canonical_topk(vals, idx, lse)
-        tokens, parents, depths, sc, num = _core_torch(q, tok, b, max_budget)
-    scores = torch.where(sc > S_NEG, sc.double() / float(1 << FRAC_BITS), float("-inf")).float()
-    pos = torch.cat([torch.zeros(n, 1, dtype=torch.int64, device=dev), depths], 1)
+        tokens, parents, depths, scores, pos, num = _core_torch(q, tok, b, max_budget)
     mask = ancestor_mask(parents, L, backend) if with_mask else None
     return DDTree(tokens, parents, depths, num, scores, mask, pos, L, max_budget)
 
