@@ -4,9 +4,11 @@ The verify step wrote row r's K/V at position start + r (start = position of the
 root row = context length before the step).  After the walk, accepted node j
 (row accepted_rows[n, j], j = 1..num_accepted[n]) must sit at position start + j.
 Rows on a path increase strictly (parents precede children), so
-accepted_rows[n, j] >= j: every source is at or after its destination, a later
-destination never is an earlier source, and copying j = 1, 2, ... in order is
-correct in place; the torch reference gathers everything first.
+accepted_rows[n, j] >= j.  A source can be a later entry's destination (rows
+0, 2, 3: position 2 is read by j = 1 and written by j = 2), so both
+implementations read every source before writing any destination: the kernel
+loads an [L, block] tile, hits a barrier, then stores; the torch reference
+gathers, then scatters.
 
 Layouts (per-layer tensor; any strides, e.g. vLLM's HND/NHD stride orders):
   "kv_in_block"  [num_blocks, 2, block_size, kv_heads, head_dim]
