@@ -410,8 +410,8 @@ def status(t: Target, state: State) -> dict:
         for rel in [e.path for e in fam.edits] + [a.path for a in fam.added]:
             rec = recs.get(rel)
             st = file_state(t, rel, rec)
-            if fam.upstream and st == "clean":
-                st = "upstream"
+            if fam.upstream and st in ("clean", "patched"):
+                st = "upstream"  # the change ships with vLLM (patched: by others)
             elif tr.name not in applied and st == "patched":
                 st = "clean"  # written for another transform; this one is not in it
             files.append({"path": rel, "status": st})

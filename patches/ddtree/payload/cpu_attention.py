@@ -48,9 +48,10 @@ def _layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype):
 
 
 def read_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, isa: str):
-    """K, V [length, H, D] of one sequence, through its block ids."""
-    nb, heads, bs, two_d = kv_cache.shape
-    d = two_d // 2
+    """K, V [length, H, D] of one sequence, through its block ids.  ``kv_cache`` is the
+    backend's [blocks, H, 2 * block_size, D] view (K rows, then V rows)."""
+    nb, heads, two_bs, d = kv_cache.shape
+    bs = two_bs // 2
     k_index, v_index = _layout(isa, bs, d, kv_cache.dtype)
     raw = kv_cache.view(nb, heads, 2 * bs * d)[blocks]  # [nblk, H, 2*bs*D]
     k = raw[:, :, k_index].view(-1, heads, bs, d).permute(0, 2, 1, 3).reshape(-1, heads, d)
@@ -59,7 +60,8 @@ def read_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, isa: str)
 
 
 def tree_attention(impl, layer, query, key, value, kv_cache, md, output):
-    """Attention for a DDTree verify step (all requests of the batch)."""
+    """Attention for a DDTree verify step (all requests of the batch).  ``kv_cache``
+    is the backend's [blocks, H, 2 * block_size, D] view."""
     window = impl.sliding_window
     if impl.alibi_slopes is not None or impl.logits_soft_cap or impl.sinks is not None \
             or getattr(impl, "kv_cache_dtype", "auto") not in ("auto", None) \
@@ -77,7 +79,7 @@ def tree_attention(impl, layer, query, key, value, kv_cache, md, output):
         if q1 == q0:
             continue
         q_len, seq_len = q1 - q0, seq_lens[r]
-        bs = kv_cache.shape[2]
+        bs = kv_cache.shape[2] // 2
         blocks = md.block_table[r, : (seq_len + bs - 1) // bs].to(torch.int64)
         k, v = read_kv(kv_cache, blocks, seq_len, layer.isa)
         q = query[q0:q1].float()
@@ -88,5 +90,7 @@ def tree_attention(impl, layer, query, key, value, kv_cache, md, output):
         scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
         out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
         output[q0:q1].copy_(out.reshape(output[q0:q1].shape).to(output.dtype))
-    step.stash_kv(layer, impl, kv_cache, key[:n], value[:n], md.slot_mapping[:n])
+    nb, heads, two_bs, d = kv_cache.shape  # back to the shape the cache writer expects
+    step.stash_kv(layer, impl, kv_cache.view(nb, heads, two_bs // 2, 2 * d), key[:n],
+                  value[:n], md.slot_mapping[:n])
     return output

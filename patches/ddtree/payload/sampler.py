@@ -58,7 +58,7 @@ class DDTreeSampler(nn.Module):
     @staticmethod
     def _chains(metadata, num_drafts, dev) -> DDTree:
         """Drafts without a stored tree (e.g. the warm-up run) are verified as chains."""
-        n, dmax = len(num_drafts), max(num_drafts)
+        n, dmax = len(num_drafts), max(max(num_drafts), 1)
         tokens = torch.zeros(n, dmax, dtype=torch.int64, device=dev)
         flat = metadata.draft_token_ids.to(torch.int64)
         k = 0
@@ -73,7 +73,7 @@ class DDTreeSampler(nn.Module):
                       scores=torch.zeros(n, dmax, device=dev), ancestor_mask=None,
                       position_offsets=torch.zeros(n, dmax + 1, dtype=torch.int64,
                                                    device=dev),
-                      max_depth=dmax, max_budget=dmax)
+                      max_depth=max(num_drafts), max_budget=dmax)
 
     @staticmethod
     def _uniforms(n, width, sampling_metadata, dev) -> torch.Tensor:
