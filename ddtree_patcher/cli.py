@@ -70,11 +70,13 @@ def _recover_note(t, state) -> str:
 @click.option("--dry-run", is_flag=True, help="Print the unified diff; exit 1 if changes "
               "are pending.")
 @click.option("--no-verify", is_flag=True, help="Do not run `verify --quick` afterwards.")
+@click.option("--full-verify", is_flag=True, help="Run the full verify (engine check "
+              "included) afterwards instead of --quick.")
 @click.option("--keep-on-failure", is_flag=True,
               help="Keep the patched files when verify fails (for debugging).")
 @target_options
-def apply(vllm_version, only, skip, dry_run, no_verify, keep_on_failure, python,
-          site_packages, as_json):
+def apply(vllm_version, only, skip, dry_run, no_verify, full_verify, keep_on_failure,
+          python, site_packages, as_json):
     """Apply the transforms for the installed vLLM version."""
 
     def body():
@@ -107,7 +109,7 @@ def apply(vllm_version, only, skip, dry_run, no_verify, keep_on_failure, python,
                    "files": [op.path for op in p.ops], "applied": p.wanted}
         if p.ops and not no_verify and p.manifest is not None:
             from .verify_client import run_verify
-            report = run_verify(t, quick=True)
+            report = run_verify(t, quick=not full_verify)
             payload["verify"] = report
             lines.append(report["summary"])
             if not report["ok"]:
@@ -246,14 +248,16 @@ def _recover_line(done: dict) -> str:
 @main.command()
 @click.option("--quick", is_flag=True, help="Skip the engine run (integrity, imports, "
               "kernels only).")
+@click.option("--seed", type=int, default=None, help="Seed of the random kernel inputs "
+              "(default: fresh each run).")
 @target_options
-def verify(quick, python, site_packages, as_json):
+def verify(quick, seed, python, site_packages, as_json):
     """Smoke-test the patched vLLM in a fresh interpreter of its environment."""
 
     def body():
         from .verify_client import format_report, run_verify
         t = find_target(python, site_packages)
-        report = run_verify(t, quick=quick)
+        report = run_verify(t, quick=quick, seed=seed)
         code = OK if report["ok"] else PENDING
         text = format_report(report, t)
         return code, report, text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,31 +14,37 @@ from .state import State
 from .target import Target
 
 
-def _spec(t: Target, quick: bool) -> dict:
+def _spec(t: Target, quick: bool, seed: int | None) -> dict:
     manifest = State(t.key).load_manifest() or {"files": {}, "applied": []}
     checks = ["integrity"]
     if t.python:
-        checks.append("imports")
+        checks += ["imports", "kernels"] + ([] if quick else ["engine"])
     return {
         "site": str(t.site), "dist_info": str(t.dist_info), "dist": t.dist,
-        "version": t.version, "checks": checks, "quick": quick,
+        "version": t.version, "checks": checks, "quick": quick, "seed": seed,
         "files": {rel: rec["post_sha"] for rel, rec in manifest["files"].items()},
         "applied": manifest["applied"],
     }
 
 
-def run_verify(t: Target, quick: bool = False) -> dict:
-    from .verify import runner
+def run_verify(t: Target, quick: bool = False, seed: int | None = None) -> dict:
+    """Copy verify/ to a temp folder as package ``ddtree_verify`` and run its runner in
+    a fresh interpreter of the target environment (never in this process)."""
+    from . import verify as pkg
 
-    spec = _spec(t, quick)
+    spec = _spec(t, quick, seed)
     python = t.python or sys.executable
     with tempfile.TemporaryDirectory(prefix="ddtree-verify-") as tmp:
+        shutil.copytree(Path(pkg.__file__).parent, Path(tmp) / "ddtree_verify",
+                        ignore=shutil.ignore_patterns("__pycache__"))
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-        proc = subprocess.run([python, "-c", Path(runner.__file__).read_text(),
-                               str(spec_path)], capture_output=True, text=True, env=env,
-                              cwd=tmp, timeout=1800)
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [tmp, os.environ.get(
+                       "PYTHONPATH")])))
+        proc = subprocess.run([python, "-m", "ddtree_verify.runner", str(spec_path)],
+                              capture_output=True, text=True, env=env, cwd=tmp,
+                              timeout=3600)
     results = None
     for line in proc.stdout.splitlines():
         if line.startswith("DDTREE-VERIFY "):
@@ -47,8 +54,9 @@ def run_verify(t: Target, quick: bool = False) -> dict:
                     "message": f"the verify runner died (exit {proc.returncode}): "
                                + proc.stderr.strip()[-800:]}]
     if not t.python:
-        results.append({"check": "imports", "ok": True, "seconds": 0.0, "skipped": True,
-                        "message": "skipped: a bare --site-packages tree has no interpreter"})
+        results.append({"check": "imports, kernels, engine", "ok": True, "seconds": 0.0,
+                        "skipped": True, "message": "skipped: a bare --site-packages tree "
+                        "has no interpreter (use --python)"})
     failed = [r for r in results if not r["ok"]]
     ok = not failed
     summary = ("verify: all checks passed" if ok else

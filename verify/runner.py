@@ -1,93 +1,19 @@
 """The verify suite, run inside a fresh interpreter of the target environment.
 
-Started by ``ddtree_patcher.verify_client`` as ``python -c <this source> SPEC.json``: it
-must not import ddtree_patcher (the target env need not have it).  It imports the
-*patched vLLM* and the DDTree core copied into it, so it checks what will serve.
-Prints one JSON line: a list of checks with name, ok, seconds, message.
+Started by ``ddtree_patcher.verify_client`` as ``python -m ddtree_verify.runner SPEC``
+from a temporary copy of this package (the target env need not have ddtree-patch).
+It imports the *patched vLLM* and the DDTree core copied into it, so it checks what
+will serve.  Prints one line ``DDTREE-VERIFY <json>``: a list of checks with name,
+ok, seconds, message.
 """
 
 import importlib
-import importlib.util
 import json
-import os
 import sys
 import time
 import traceback
 
-
-def _sha(path):
-    import hashlib
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def _record_hash(path):
-    import base64
-    import hashlib
-    with open(path, "rb") as f:
-        d = hashlib.sha256(f.read()).digest()
-    return base64.urlsafe_b64encode(d).rstrip(b"=").decode()
-
-
-def stale_pycs(py_path):
-    """Cached bytecode of py_path that no longer matches the source."""
-    cache = os.path.join(os.path.dirname(py_path), "__pycache__")
-    stem = os.path.basename(py_path)[:-3]
-    if not os.path.isdir(cache):
-        return []
-    st = os.stat(py_path)
-    with open(py_path, "rb") as f:
-        source = f.read()
-    bad = []
-    for name in os.listdir(cache):
-        if not (name.endswith(".pyc") and name.split(".")[0] == stem):
-            continue
-        with open(os.path.join(cache, name), "rb") as f:
-            head = f.read(16)
-        flags = int.from_bytes(head[4:8], "little")
-        if flags & 1:  # hash-based pyc
-            ok = head[8:16] == importlib.util.source_hash(source)
-        else:
-            ok = (int.from_bytes(head[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF
-                  and int.from_bytes(head[12:16], "little") == st.st_size & 0xFFFFFFFF)
-        if not ok:
-            bad.append(os.path.join(cache, name))
-    return bad
-
-
-def check_integrity(spec):
-    site = spec["site"]
-    problems = []
-    for rel, want in sorted(spec["files"].items()):
-        p = os.path.join(site, rel)
-        if not os.path.exists(p):
-            problems.append(f"{rel}: missing (an added module was deleted?)")
-        elif _sha(p) != want:
-            problems.append(f"{rel}: differs from the patched content ddtree-patch wrote")
-    for rel in sorted(spec["files"]):
-        p = os.path.join(site, rel)
-        if rel.endswith(".py") and os.path.exists(p):
-            for pyc in stale_pycs(p):
-                problems.append(f"stale bytecode {os.path.relpath(pyc, site)} (would run the "
-                                "old code)")
-    touched = set(spec["files"])
-    import csv
-    with open(os.path.join(spec["dist_info"], "RECORD"), newline="") as f:
-        for row in csv.reader(f):
-            if len(row) < 2 or not row[1].startswith("sha256=") or row[0] in touched:
-                continue
-            p = os.path.normpath(os.path.join(site, row[0]))
-            if not p.startswith(os.path.normpath(site) + os.sep):
-                continue
-            if not os.path.exists(p):
-                problems.append(f"{row[0]}: listed in RECORD but missing")
-            elif _record_hash(p) != row[1][7:]:
-                problems.append(f"{row[0]}: differs from vLLM's RECORD (not a ddtree-patch "
-                                "file)")
-    if problems:
-        return False, "; ".join(problems[:10]) + (f" (+{len(problems) - 10} more)"
-                                                 if len(problems) > 10 else "")
-    return True, f"{len(spec['files'])} patched/added files and the rest of RECORD match"
+from . import integrity
 
 
 def check_imports(spec):
@@ -101,22 +27,53 @@ def check_imports(spec):
     for mod in mods:
         importlib.import_module(mod)
     extra = ""
-    if spec.get("method"):
+    if "ddtree-proposer" in spec["applied"]:
+        import typing
+
         from vllm.config import speculative
 
-        methods = str(getattr(speculative, "SpeculativeMethod", ""))
-        src = open(speculative.__file__).read()
-        if spec["method"] not in methods and f'"{spec["method"]}"' not in src:
-            return False, f"method {spec['method']!r} is not registered in SpeculativeConfig"
-        extra = f"; method {spec['method']!r} registered"
+        if "ddtree" not in typing.get_args(_flatten(speculative.SpeculativeMethod)):
+            return False, "method 'ddtree' is not registered in SpeculativeConfig"
+        extra = "; method 'ddtree' registered"
     return True, f"{len(mods)} patched modules import{extra}"
 
 
-CHECKS = {"integrity": check_integrity, "imports": check_imports}
+def _flatten(lit):
+    """Literal[...] with nested Literals -> one Literal of all values."""
+    import typing
+
+    vals = []
+    for a in typing.get_args(lit):
+        if typing.get_origin(a) is typing.Literal:
+            vals += typing.get_args(_flatten(a))
+        else:
+            vals.append(a)
+    return typing.Literal[tuple(vals)]
 
 
-def main():
-    with open(sys.argv[1]) as f:
+def check_kernels(spec):
+    from . import kernels
+
+    if "ddtree-proposer" not in spec["applied"]:
+        return True, "skipped: DDTree is not applied"
+    core = importlib.import_module("vllm.v1.spec_decode.ddtree.core")
+    return kernels.run(core, seed=spec.get("seed"))
+
+
+def check_engine(spec):
+    from . import engine_check
+
+    if "ddtree-sampler" not in spec["applied"]:
+        return True, "skipped: DDTree is not applied"
+    return engine_check.run(spec)
+
+
+CHECKS = {"integrity": integrity.check, "imports": check_imports,
+          "kernels": check_kernels, "engine": check_engine}
+
+
+def main(argv):
+    with open(argv[1]) as f:
         spec = json.load(f)
     sys.path.insert(0, spec["site"])
     results = []
@@ -126,14 +83,14 @@ def main():
             ok, msg = CHECKS[name](spec)
         except Exception as exc:  # a check that raises fails, with the reason
             ok, msg = False, f"{type(exc).__name__}: {exc}"
-            tb = traceback.format_exc(limit=6)
-            msg += " | " + tb.strip().splitlines()[-3].strip() if tb else ""
-        results.append({"check": name, "ok": bool(ok), "seconds": round(
-            time.perf_counter() - t0, 2), "message": msg})
-        if name == "integrity" and not ok:
-            break  # importing broken files proves nothing more
-    print("DDTREE-VERIFY " + json.dumps(results))
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            msg += f" (at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
+        results.append({"check": name, "ok": bool(ok),
+                        "seconds": round(time.perf_counter() - t0, 2), "message": msg})
+        if not ok and name in ("integrity", "imports"):
+            break  # importing or running broken files proves nothing more
+    print("DDTREE-VERIFY " + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv)
