@@ -1,0 +1,120 @@
+"""Each verify check fails on the fault it exists for, with a message that says what is
+wrong (integrity through the real CLI on real trees; kernels with a core made wrong on
+purpose)."""
+
+import os
+import types
+
+import pytest
+
+import ddtree_patcher.core as core
+from ddtree_patcher.verify import kernels
+
+SPEC_PY = "vllm/config/speculative.py"
+ADDED = "vllm/v1/spec_decode/ddtree/sampler.py"
+
+
+@pytest.fixture
+def patched(tree, cli):
+    site = tree("vllm", "0.33.0")
+    cli("apply", "--no-verify", "--site-packages", site, check=0)
+    return site
+
+
+def verify(cli, site, code):
+    r = cli("verify", "--json", "--site-packages", site, check=code)
+    return r.json
+
+
+def test_clean_patch_passes(patched, cli):
+    j = verify(cli, patched, 0)
+    assert j["ok"] and j["checks"][0]["check"] == "integrity"
+    assert "seconds" in j["checks"][0]
+
+
+def test_tampered_patched_file(patched, cli):
+    p = patched / SPEC_PY
+    p.write_text(p.read_text().replace("ddtree_pre_init(self)", "pass"))
+    j = verify(cli, patched, 1)
+    assert not j["ok"] and j["failed"][0]["check"] == "integrity"
+    assert f"{SPEC_PY}: differs from the patched content" in j["failed"][0]["message"]
+    assert any("ddtree-patch revert" in c for c in j["recovery"])
+    assert any("--force-reinstall --no-deps vllm==0.33.0" in c for c in j["recovery"])
+    text = cli("verify", "--site-packages", patched, check=1).out
+    assert "FAIL" in text and "to recover:" in text
+
+
+def test_missing_added_module(patched, cli):
+    (patched / ADDED).unlink()
+    j = verify(cli, patched, 1)
+    assert f"{ADDED}: missing" in j["failed"][0]["message"]
+
+
+def test_planted_stale_bytecode(patched, cli):
+    cache = (patched / SPEC_PY).parent / "__pycache__"
+    cache.mkdir(exist_ok=True)
+    pyc = cache / "speculative.cpython-311.pyc"
+    # a timestamp pyc that claims another source mtime/size: Python would run it
+    pyc.write_bytes(b"\x00" * 4 + b"\x00\x00\x00\x00" + b"\x01\x00\x00\x00" * 2 + b"junk")
+    j = verify(cli, patched, 1)
+    assert "stale bytecode" in j["failed"][0]["message"]
+
+
+def test_unpatched_vllm_file_changed(patched, cli):
+    p = patched / "vllm" / "envs.py"
+    p.write_text(p.read_text() + "\n# changed\n")
+    j = verify(cli, patched, 1)
+    assert "vllm/envs.py: differs from vLLM's RECORD" in j["failed"][0]["message"]
+
+
+def _wrong(core_mod, **over):
+    shim = types.SimpleNamespace(**{k: getattr(core_mod, k) for k in dir(core_mod)
+                                    if not k.startswith("__")})
+    for k, v in over.items():
+        setattr(shim, k, v)
+    return shim
+
+
+def test_kernel_checks_pass_on_the_real_core():
+    ok, msg = kernels.run(core, "cpu", seed=1234)
+    assert ok and "seed 1234" in msg
+
+
+def test_wrong_greedy_walk_is_caught():
+    def bad_walk(target, tree, backend="auto"):  # accepts nothing, ever
+        res = core.walk_greedy(target, tree, backend=backend)
+        rows = res.accepted_rows.clone()
+        toks = res.output_tokens.clone()
+        rows[:, 1:] = -1
+        toks[:, 0] = target[:, 0]
+        toks[:, 1:] = -1
+        return core.WalkResult(rows, toks, res.num_accepted * 0)
+
+    with pytest.raises(AssertionError, match="greedy tree walk .* differs"):
+        kernels.run(_wrong(core, walk_greedy=bad_walk), "cpu", seed=3)
+
+
+def test_biased_sampled_walk_is_caught():
+    def biased(probs, tree, uniforms, backend="auto"):  # skews every uniform upwards
+        return core.walk_sampled(probs, tree, uniforms.sqrt(), backend=backend)
+
+    with pytest.raises(AssertionError, match="sampled tree walk .* differs"):
+        kernels.run(_wrong(core, walk_sampled=biased), "cpu", seed=5)
+
+
+def test_wrong_tree_build_is_caught():
+    def shallow(lp, budget, bmax, logprobs=False, backend="auto"):
+        t = core.build_tree(lp, budget, bmax, logprobs=logprobs, backend=backend)
+        t.tokens = t.tokens.flip(1)
+        return t
+
+    with pytest.raises(AssertionError, match="tree build .* differs from the heap"):
+        kernels.run(_wrong(core, build_tree=shallow), "cpu", seed=7)
+
+
+def test_wrong_compaction_is_caught():
+    def lazy(kv_caches, *a, **k):  # moves nothing
+        return None
+
+    with pytest.raises(AssertionError, match="KV compaction .* differs"):
+        kernels.run(_wrong(core, compact_kv=lazy), "cpu", seed=9)
