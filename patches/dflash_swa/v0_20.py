@@ -14,7 +14,7 @@ from functools import partial
 import libcst as cst
 import libcst.matchers as m
 
-from ..framework import AnchorError, Step, edit_function, expr, file_edit, replace_one
+from ..framework import AnchorError, Step, edit_function, file_edit, replace_one
 from .common import TAG, add_methods, insert_code, proposer_edit, replace_arg
 
 MODEL = "vllm/model_executor/models/qwen3_dflash.py"

@@ -21,8 +21,8 @@ VLLM_EDIT = file_edit(VLLM, [
     Step(V1_FEATURES, partial(
         replace_if, qualname=V1_FEATURES,
         test=lambda c: c.strip() == "self._dflash_needs_multi_kv_group()", code="",
-        note=f"{TAG}: mixed sliding/full DFlash drafts run on V1 too (one KV cache\n"
-             f"group per attention kind in DFlashProposer, see {MODULE})."),
+        note=f"{TAG}: mixed sliding/full DFlash drafts run on V1 too: DFlashProposer\n"
+             "drafts with one KV cache group per attention kind (spec_decode/dflash_swa.py)."),
         lambda code: "_dflash_needs_multi_kv_group" not in code and TAG in code),
 ], "V1 runner: accept mixed sliding/full DFlash drafters")
 
@@ -32,8 +32,8 @@ MODEL_EDIT = file_edit(MODEL, [
         test=lambda c: "use_v2_model_runner" in c and "num_sliding" in c,
         code=f"from {MODULE} import validate_layer_types\n"
              "validate_layer_types(config)\n",
-        note=f"{TAG}: mixed sliding/full attention runs on the V1 runner too (per-KV-group\n"
-             "DFlashProposer); layer types other than full/sliding are refused."),
+        note=f"{TAG}: mixed sliding/full attention runs on the V1 runner too\n"
+             "(per-KV-cache-group DFlashProposer); other layer types are refused."),
         lambda code: "use_v2_model_runner" not in code and "validate_layer_types(config)"
         in code),
 ], "DFlash model: no V2-only refusal for mixed drafters; unknown layer types refused")

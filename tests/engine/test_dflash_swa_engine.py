@@ -211,8 +211,9 @@ def _describe(runner) -> dict:
         "group_causal": None if groups is None else
         {str(k): v for k, v in groups.gid_causal.items()},
         "draft_layers": [
-            {"name": lay.self_attn.attn.layer_name, "sliding_window": lay.self_attn.sliding_window,
-             "causal": lay.self_attn.causal, "attn_sliding_window": lay.self_attn.attn.sliding_window,
+            {"name": lay.self_attn.attn.layer_name,
+             "sliding_window": lay.self_attn.sliding_window, "causal": lay.self_attn.causal,
+             "attn_sliding_window": lay.self_attn.attn.sliding_window,
              "impl_sliding_window": lay.self_attn.attn.impl.sliding_window}
             for lay in inner.layers],
     }
