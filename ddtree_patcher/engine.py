@@ -407,10 +407,13 @@ def status(t: Target, state: State) -> dict:
             rows.append({"transform": tr.name, "status": "n/a", "files": []})
             continue
         files = []
-        for rel in [e.path for e in fam.edits] + [a.path for a in fam.added]:
+        added = {a.path for a in fam.added}
+        for rel in [e.path for e in fam.edits] + sorted(added):
             rec = recs.get(rel)
             st = file_state(t, rel, rec)
-            if fam.upstream and st in ("clean", "patched"):
+            if rel in added and rec is None and st == "missing":
+                st = "clean"  # not added yet: what a clean install looks like
+            elif fam.upstream and st in ("clean", "patched"):
                 st = "upstream"  # the change ships with vLLM (patched: by others)
             elif tr.name not in applied and st == "patched":
                 st = "clean"  # written for another transform; this one is not in it

@@ -168,7 +168,12 @@ def _splice(source: str, node: ast.AST, edit, slow) -> str:
 
 
 def statements(code: str) -> list[cst.BaseStatement]:
-    return list(cst.parse_module(textwrap.dedent(code)).body)
+    """Parse code into statements, keeping leading comments on the first one."""
+    mod = cst.parse_module(textwrap.dedent(code))
+    body = list(mod.body)
+    if body and mod.header:
+        body[0] = body[0].with_changes(leading_lines=[*mod.header, *body[0].leading_lines])
+    return body
 
 
 def insert_near(source: str, qualname: str, match: Callable[[str], bool], code: str,
@@ -220,6 +225,7 @@ def insert_at_start(source: str, qualname: str, code: str) -> str:
 def add_after_function(source: str, qualname: str, code: str) -> str:
     """Add functions / methods right after ``qualname`` (same indentation)."""
     new = statements(code)
+    new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine(), *new[0].leading_lines])
     return edit_function(source, qualname, lambda fn: cst.FlattenSentinel([fn] + new))
 
 
