@@ -54,7 +54,7 @@ def test_nospec_matches_transformers(smoke, tiny_models, vllm_cpu_python, tool_e
         "print(json.dumps(tm.hf_greedy(sys.argv[2], json.loads(sys.argv[3]), "
         "int(sys.argv[4]))))")
     p = subprocess.run(
-        [vllm_cpu_python, "-c", code, str(Path(__file__).parent),
+        [vllm_cpu_python, "-c", code, str(Path(__file__).parents[2] / "verify"),
          tiny_models["target"], json.dumps(smoke["prompts"]), str(MAX_TOKENS)],
         capture_output=True, text=True, env=tool_env)
     assert p.returncode == 0, p.stderr[-3000:]
