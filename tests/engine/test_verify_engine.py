@@ -29,8 +29,9 @@ def _cli(*args, state: Path, pythonpath: str | None = None):
     env = dict(os.environ, DDTREE_PATCH_STATE_DIR=str(state))
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+    # run from the tool's folder: `-m` puts the working directory first on sys.path
     return subprocess.run([sys.executable, "-m", "ddtree_patcher.cli", *map(str, args)],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=env, cwd=pythonpath)
 
 
 def test_verify_passes_on_a_patched_env(vllm_cpu_python, tmp_path):
@@ -60,8 +61,8 @@ def _broken_tool(dest: Path) -> Path:
     shutil.copytree(Path(verify_pkg.__file__).parent, pkg / "verify",
                     ignore=shutil.ignore_patterns("__pycache__"))
     runtime = pkg / "patches" / "ddtree" / "payload" / "runtime.py"
-    runtime.write_text("raise ImportError('deliberately broken for a test')\n"
-                       + runtime.read_text())
+    runtime.write_text(runtime.read_text()
+                       + "\nraise ImportError('deliberately broken for a test')\n")
     return dest
 
 
@@ -71,9 +72,10 @@ def test_apply_reverts_by_itself_when_verify_fails(vllm_cpu_python, tmp_path):
     tool = _broken_tool(tmp_path / "tool")
     r = _cli("apply", "--json", "--python", py, state=state, pythonpath=str(tool))
     assert r.returncode == 8, r.stdout + r.stderr
+    assert json.loads(r.stdout)["error"]["exit_code"] == 8
     err = json.loads(r.stdout)["error"]
     assert "verify failed after apply; the patch was reverted" in err["message"]
-    assert any("deliberately broken" in d["message"] for d in err["details"])
+    assert any("deliberately broken" in d["message"] for d in err["details"]), err
     st = _cli("status", "--json", "--python", py, state=state)
     assert json.loads(st.stdout)["status"] == "clean", st.stdout
     from ddtree_patcher.target import find_target, record_mismatches
