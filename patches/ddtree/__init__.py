@@ -1,12 +1,13 @@
 """DDTree for vLLM: ``ddtree-proposer`` (method "ddtree", the DFlash pass turned into a
 tree of B drafts, plus the added package vllm/v1/spec_decode/ddtree) and
 ``ddtree-sampler`` (verify the whole tree in one target pass, walk it, commit the
-accepted path).  Hooks per version family: ``v0_32`` (0.32.0, 0.33.0)."""
+accepted path).  Hooks per version family: ``v0_20`` (0.20.0-0.20.2, CUDA tree
+attention) and ``v0_32`` (0.32.0, 0.33.0)."""
 
 from pathlib import Path
 
 from ..framework import AddedFile, Family, Transform
-from . import v0_32
+from . import v0_20, v0_32
 
 PAYLOAD = Path(__file__).parent / "payload"
 
@@ -29,6 +30,7 @@ def _added() -> tuple[AddedFile, ...]:
     return tuple(files)
 
 
+V0_20 = ("0.20.0", "0.20.1", "0.20.2")
 V0_32 = ("0.32.0", "0.33.0")
 
 PROPOSER = Transform(
@@ -36,9 +38,12 @@ PROPOSER = Transform(
     summary="method='ddtree': one DFlash pass -> the best tree of B draft tokens "
             "(exact top-B prefixes, built on the device)",
     reference="Ringel & Romano, arXiv 2604.12989",
-    families=(Family(versions=V0_32, edits=(v0_32.SPEC_EDIT, v0_32.VLLM_EDIT,
+    families=(Family(versions=V0_20, edits=(v0_20.SPEC_EDIT, v0_20.VLLM_EDIT,
+                                            v0_20.PROPOSER_RUNNER_EDIT, v0_20.INPUT_EDIT),
+                     added=_added()),
+              Family(versions=V0_32, edits=(v0_32.SPEC_EDIT, v0_32.VLLM_EDIT,
                                             v0_32.PROPOSER_RUNNER_EDIT, v0_32.INPUT_EDIT),
-                     added=_added()),),
+                     added=_added())),
 )
 
 SAMPLER = Transform(
@@ -46,7 +51,9 @@ SAMPLER = Transform(
     summary="verify the whole tree in one target pass (tree positions, ancestor-only "
             "attention), walk it greedily or losslessly sampled, compact the path's KV",
     reference="DESIGN.md sections 5-6",
-    families=(Family(versions=V0_32, edits=(v0_32.SAMPLER_RUNNER_EDIT,
-                                            v0_32.CPU_ATTN_EDIT)),),
+    families=(Family(versions=V0_20, edits=(v0_20.SAMPLER_RUNNER_EDIT,
+                                            v0_20.FLASH_EDIT, v0_20.FLEX_EDIT)),
+              Family(versions=V0_32, edits=(v0_32.SAMPLER_RUNNER_EDIT,
+                                            v0_32.CPU_ATTN_EDIT))),
     requires=("ddtree-proposer",),
 )

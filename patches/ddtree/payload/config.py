@@ -47,10 +47,12 @@ def ddtree_post_init(spec) -> None:
     if vocab and spec.ddtree_budget > spec.ddtree_depth * int(vocab):
         raise ValueError(f"ddtree budget {spec.ddtree_budget} exceeds depth x vocab "
                          f"({spec.ddtree_depth} x {vocab}): no tree that large exists")
-    if spec.draft_sample_method != "greedy":
+    # draft_sample_method exists from 0.2x on; 0.20.x names the default rejection
+    # sampler "strict" where later releases say "standard"
+    if getattr(spec, "draft_sample_method", "greedy") != "greedy":
         raise ValueError("method='ddtree' builds its tree from the drafter's "
                          "distributions: draft_sample_method must stay 'greedy'")
-    if spec.rejection_sample_method != "standard":
+    if getattr(spec, "rejection_sample_method", "standard") not in ("standard", "strict"):
         raise ValueError("method='ddtree' verifies with its own tree sampler: "
                          "rejection_sample_method must stay 'standard'")
     if getattr(spec, "disable_padded_drafter_batch", False):

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from .core import build_tree
+
+# vLLM 0.20.x: propose() has no num_speculative_tokens argument (the drafter reads
+# self.num_speculative_tokens) and the DFlash early exit calls _greedy_sample
+# (later releases: _sample_draft_tokens).
+_PROPOSE_TAKES_K = "num_speculative_tokens" in inspect.signature(
+    DFlashProposer.propose).parameters
+_HAS_SAMPLE_DRAFT_TOKENS = hasattr(DFlashProposer, "_sample_draft_tokens")
 
 
 class DDTreeProposer(DFlashProposer):
@@ -26,13 +35,18 @@ class DDTreeProposer(DFlashProposer):
             from .synthetic import SyntheticDrafter
 
             self._ddtree_synthetic = SyntheticDrafter.load(spec.ddtree_synthetic)
+        if not _PROPOSE_TAKES_K:
+            # the drafter runs L mask queries (its buffers were sized for B >= L)
+            self.num_speculative_tokens = self.ddtree_depth
         if getattr(self, "use_heterogeneous_vocab", False):
             raise ValueError("method='ddtree' needs the drafter to share the target's "
                              "vocabulary")
 
     def propose(self, *args, **kwargs):
         # The runner asks for B tokens; the drafter itself runs L mask queries.
-        if args:
+        if not _PROPOSE_TAKES_K:
+            self.num_speculative_tokens = self.ddtree_depth
+        elif args:
             args = (self.ddtree_depth,) + tuple(args[1:])
         else:
             kwargs["num_speculative_tokens"] = self.ddtree_depth
@@ -56,3 +70,11 @@ class DDTreeProposer(DFlashProposer):
             runtime.store_trees(self._ddtree_runner.input_batch.req_ids[:n], tree)
         self._ddtree_tokens = tree.tokens
         return torch.zeros(n * depth, dtype=torch.long, device=logits.device), None
+
+    def _greedy_sample(self, hidden_states):
+        # 0.20.x: the DFlash early exit lands here; later releases go through
+        # _sample_draft_tokens (above) and keep the plain greedy sample.
+        if _HAS_SAMPLE_DRAFT_TOKENS or self._ddtree_call is None:
+            return super()._greedy_sample(hidden_states)
+        tokens, _ = self._sample_draft_tokens(hidden_states, None)
+        return tokens

@@ -33,14 +33,19 @@ class DDTreeSampler(nn.Module):
             self._chains(metadata, num_drafts, dev)
         # logits rows of request i: [root, node 0 .. node d_i - 1]; pads repeat the
         # last row (never a child, so the walk never reads them)
-        starts, k = [], 0
-        for d in num_drafts:
-            starts.append(k)
-            k += d + 1
-        offs = torch.arange(dmax + 1)
-        idx = torch.tensor(starts)[:, None] + torch.minimum(
-            offs[None, :], torch.tensor(num_drafts)[:, None])
-        rows = logits[idx.reshape(-1).to(dev)].view(n, dmax + 1, -1)
+        if min(num_drafts) == dmax:  # every request verifies dmax drafts: a plain view
+            rows = logits[: n * (dmax + 1)].view(n, dmax + 1, -1)
+        else:
+            starts, k = [], 0
+            for d in num_drafts:
+                starts.append(k)
+                k += d + 1
+            offs = torch.arange(dmax + 1)
+            idx = (torch.tensor(starts)[:, None] + torch.minimum(
+                offs[None, :], torch.tensor(num_drafts)[:, None])).reshape(-1)
+            if dev.type == "cuda":  # pinned + non-blocking: no wait for the forward
+                idx = idx.pin_memory().to(dev, non_blocking=True)
+            rows = logits[idx.to(dev)].view(n, dmax + 1, -1)
         if sampling_metadata.all_greedy:
             res = walk_greedy(rows.argmax(-1), tree)
         else:

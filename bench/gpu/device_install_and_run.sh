@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Device call 2 (and later calls on the same warm machine): install the carried bundle
+# parts once, then run_all.sh within the call's time.  Usage (repo root on the device):
+#   LIMIT=585 STAGES=... BENCH_CONFIGS=... bash bench/gpu/device_install_and_run.sh
+set -u
+t0=$(date +%s)
+if [ ! -d /tmp/vb/vllm_slim ]; then
+  [ -d .gpu-b2 ] && cp .gpu-b2/* /tmp/vbparts/
+  SKIP_IMPORT_CHECK=1 bash /tmp/vbparts/install_remote.sh /tmp/vbparts /tmp/vb 2>&1 | tail -4
+fi
+echo "install: $(($(date +%s) - t0))s"
+DEADLINE=$(( ${LIMIT:-585} - ($(date +%s) - t0) )) bash bench/gpu/run_all.sh

@@ -1,0 +1,147 @@
+"""Greedy DDTree == no-spec on the H200 with real (patched) vLLM 0.20.2, tiny models.
+
+Runs (one process, engines one after the other):
+  fp32, FLEX_ATTENTION (FA3 has no fp32); reference nospec eager; ddtree with CUDA graphs
+  (FULL_DECODE_ONLY: verify steps of
+  a uniform batch replay a FULL graph that holds the tree kernel):
+    nospec  vs  ddtree (B=32, L=7): prompts 0-3 with the synthetic drafter (the target's
+    own continuation placed at ranks drawn from [0.5, 0.25, 0.1]: deep and sibling
+    accepts), prompts 4-7 with the random DFlash drafter.
+  bf16, FLASH_ATTN (FA3): nospec graphs, ddtree graphs, ddtree eager.
+Also counted: eager calls of the tree attention during generation (0 under graphs for
+uniform verify steps = the tree ran inside the FULL graph), and the walk statistics.
+
+    python bench/gpu/equality.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+B, L = 32, 7
+N_PROMPTS, MAX_TOKENS = 8, 48
+TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            max_position_embeddings=4096)
+
+
+def engine(base, dtype, backend, mode, profile=None, eager=False, stats=None):
+    from vllm import LLM
+
+    kw = dict(model=f"{base}/target", skip_tokenizer_init=True, dtype=dtype, seed=0,
+              max_model_len=512, max_num_seqs=N_PROMPTS, gpu_memory_utilization=0.08,
+              attention_backend=backend, enforce_eager=eager)
+    if not eager:
+        sizes = [k * (1 + (B if mode == "ddtree" else 0)) for k in range(1, N_PROMPTS + 1)]
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                    "cudagraph_capture_sizes": sizes}
+    if mode == "ddtree":
+        spec = {"method": "ddtree", "model": f"{base}/drafter",
+                "num_speculative_tokens": B, "ddtree_depth": L}
+        if profile:
+            spec["ddtree_synthetic"] = profile
+        kw["speculative_config"] = spec
+    if stats:
+        os.environ["VLLM_DDTREE_STATS_FILE"] = stats
+    else:
+        os.environ.pop("VLLM_DDTREE_STATS_FILE", None)
+    return LLM(**kw)
+
+
+def count_tree_calls():
+    import vllm.v1.spec_decode.ddtree.cuda_attention as ca
+
+    orig = ca.tree_attention
+    box = {"n": 0}
+
+    def wrapped(*a, **k):
+        box["n"] += 1
+        return orig(*a, **k)
+
+    ca.tree_attention = wrapped
+    return box, lambda: setattr(ca, "tree_attention", orig)
+
+
+def run(name, res, out_dir, base, toks, dtype, backend, mode, **kw):
+    C.log("run", name)
+    try:
+        stats = os.path.join(out_dir, f"stats_{name}.json") if mode == "ddtree" else None
+        llm = engine(base, dtype, backend, mode, stats=stats, **kw)
+        box, undo = count_tree_calls()
+        outs, dt = C.generate(llm, toks, MAX_TOKENS)
+        undo()
+        res[name] = {"tokens": outs, "seconds": dt, "eager_tree_attention_calls": box["n"]}
+        if stats and os.path.exists(stats):
+            with open(stats) as f:
+                res[name]["walk"] = json.load(f)
+        C.teardown(llm)
+    except Exception:
+        res[name] = {"error": traceback.format_exc()[-3000:]}
+        C.log("FAILED", name, res[name]["error"][-800:])
+    C.dump(os.path.join(out_dir, "equality.json"), res)
+
+
+def main():
+    out_dir = sys.argv[1]
+    os.makedirs(out_dir, exist_ok=True)
+    base = "/tmp/eq_models"
+    cfg = C.qwen3_config(**TINY)
+    C.write_target(f"{base}/target", cfg, random_weights=True, std=0.08)
+    C.write_drafter(f"{base}/drafter", cfg, layers=1, target_layer_ids=[1, 2],
+                    block_size=L + 1, mask_token_id=TINY["vocab_size"] - 1)
+    toks = [C.prompts(1, 8 + 7 * i, 2, 1000, seed=i)[0] for i in range(N_PROMPTS)]
+    res = {"config": {"B": B, "L": L, "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS,
+                      "tiny": TINY}}
+    tags = os.environ.get("EQ_TAGS", "fp32,bf16").split(",")
+    for dtype, backend, tag in (("float32", "FLEX_ATTENTION", "fp32"),
+                                ("bfloat16", "FLASH_ATTN", "bf16")):
+        if tag not in tags:
+            continue
+        # the fp32 reference runs eager (FlexAttention inside FULL graphs is not what is
+        # tested here); the bf16 one with FULL graphs (FA3)
+        ref_name = f"{tag}_nospec_" + ("eager" if tag == "fp32" else "graphs")
+        run(ref_name, res, out_dir, base, toks, dtype, backend, "nospec", eager=tag == "fp32")
+        ref = res[ref_name].get("tokens")
+        profile = None
+        if ref:
+            profile = os.path.join(out_dir, f"profile_{tag}.json")
+            with open(profile, "w") as f:  # synthetic drafter for prompts 0-3 only
+                json.dump({"sequences": [p + o for p, o in zip(toks[:4], ref[:4])],
+                           "rank_probs": [0.5, 0.25, 0.1], "seed": 0, "peak": 3.0}, f)
+        run(f"{tag}_ddtree_graphs", res, out_dir, base, toks, dtype, backend, "ddtree",
+            profile=profile)
+        if tag == "bf16":
+            run(f"{tag}_ddtree_eager", res, out_dir, base, toks, dtype, backend, "ddtree",
+                profile=profile, eager=True)
+    summary = {}
+    for tag in ("fp32", "bf16"):
+        ref = (res.get(f"{tag}_nospec_graphs") or res.get(f"{tag}_nospec_eager") or {}).get("tokens")
+        for kind in ("graphs", "eager"):
+            got = res.get(f"{tag}_ddtree_{kind}", {}).get("tokens")
+            if ref is None or got is None:
+                continue
+            same = [a == b for a, b in zip(ref, got)]
+            summary[f"{tag}_ddtree_{kind}_equals_nospec"] = all(same)
+            summary[f"{tag}_ddtree_{kind}_equal_prompts"] = sum(same)
+    g = res.get("bf16_ddtree_graphs", {}).get("tokens")
+    e = res.get("bf16_ddtree_eager", {}).get("tokens")
+    if g and e:
+        summary["bf16_ddtree_graphs_equals_eager"] = g == e
+    res["summary"] = summary
+    C.dump(os.path.join(out_dir, "equality.json"), res)
+    C.log("SUMMARY", json.dumps(summary))
+    for k in res:
+        if isinstance(res[k], dict) and "walk" in res[k]:
+            C.log(k, "walk", json.dumps(res[k]["walk"]))
+        if isinstance(res[k], dict) and "eager_tree_attention_calls" in res[k]:
+            C.log(k, "eager tree-attention calls", res[k]["eager_tree_attention_calls"])
+
+
+if __name__ == "__main__":
+    main()

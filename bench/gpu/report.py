@@ -1,0 +1,165 @@
+"""Markdown tables and PNG plots from the H200 run's JSON files.
+
+    python bench/gpu/report.py RESULTS_DIR [PLOT_DIR]
+RESULTS_DIR holds step_bench.json, equality.json, kernel_bench.json (from run_all.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def load(d, name):
+    p = os.path.join(d, name)
+    return json.load(open(p)) if os.path.exists(p) else None
+
+
+def fmt(x, nd=2):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def step_tables(sb) -> str:
+    out = []
+    names = [k for k in sb if "steps" in sb[k]]
+    batches = sorted({int(n) for k in names for n in sb[k]["steps"]})
+    chain = sb.get("chain15", {}).get("steps", {})
+    out.append("| config | N | step ms (median) | / chain15 | verify fwd | draft | tree build "
+               "| sample (walk) | commit | prepare (GPU / CPU) | tree machinery % |")
+    out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for k in names:
+        for n in batches:
+            s = sb[k]["steps"].get(str(n))
+            if not s or s.get("step_ms") is None:
+                continue
+            g, c = s["gpu_ms"], s["cpu_ms"]
+            ref = chain.get(str(n), {}).get("step_ms")
+            ratio = s["step_ms"] / ref if ref else None
+            mach = None
+            if k.startswith("ddtree"):
+                parts = [g.get("tree_build"), g.get("walk"), g.get("commit"), g.get("prepare")]
+                mach = 100 * sum(x or 0 for x in parts) / s["step_ms"]
+            out.append(f"| {k} | {n} | {fmt(s['step_ms'])} | {fmt(ratio)} | "
+                       f"{fmt(g.get('verify_forward'))} | {fmt(g.get('draft'))} | "
+                       f"{fmt(g.get('tree_build'))} | {fmt(g.get('sample'))} "
+                       f"({fmt(g.get('walk'), 3)}) | {fmt(g.get('commit'), 3)} | "
+                       f"{fmt(g.get('prepare'), 3)} / {fmt(c.get('prepare'), 3)} | "
+                       f"{fmt(mach, 1)} |")
+    return "\n".join(out)
+
+
+def e2e_table(sb) -> str:
+    out = ["| config | profile | N | tokens/s | tau (tokens / request-step) | steps | "
+           "mismatches vs pi-chain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for k in sb:
+        for key, e in sorted(sb[k].get("e2e", {}).items()):
+            prof, n = key.rsplit("_N", 1)
+            out.append(f"| {k} | {prof} | {n} | {fmt(e['tok_per_s'], 1)} | "
+                       f"{fmt(e.get('tau'))} | {e['decode_steps']} | "
+                       f"{e['mismatches_vs_pi_chain']} |")
+    return "\n".join(out)
+
+
+def kernel_table(kb) -> str:
+    out = ["| N | B | tree kernel us | FA3 causal us | extra per step, 36 layers (ms) |",
+           "| ---: | ---: | ---: | ---: | ---: |"]
+    for r in kb:
+        out.append(f"| {r['N']} | {r['B']} | {fmt(r['tree_us'], 1)} | "
+                   f"{fmt(r['fa3_causal_us'], 1)} | {fmt(r['x36_layers_extra_ms'], 3)} |")
+    return "\n".join(out)
+
+
+def plots(sb, plot_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(plot_dir, exist_ok=True)
+    names = [k for k in sb if "steps" in sb[k]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k in names:
+        pts = sorted((int(n), s["step_ms"]) for n, s in sb[k]["steps"].items()
+                     if s.get("step_ms"))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (requests)")
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title("vLLM 0.20.2, H200, Qwen3-8B shape: verify step time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(plot_dir, "step_time.png"), dpi=120)
+    plt.close(fig)
+
+    # breakdown at batch 1
+    phases = ["verify_forward", "draft", "tree_build", "sample", "commit", "prepare"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    xs = [k for k in names if sb[k]["steps"].get("1", {}).get("step_ms")]
+    bottom = [0.0] * len(xs)
+    for ph in phases:
+        vals = [sb[k]["steps"]["1"]["gpu_ms"].get(ph) or 0.0 for k in xs]
+        if ph == "draft":  # the tree build is inside the draft span
+            vals = [v - (sb[k]["steps"]["1"]["gpu_ms"].get("tree_build") or 0.0)
+                    for v, k in zip(vals, xs)]
+        ax.bar(xs, vals, bottom=bottom, label=ph if ph != "draft" else "draft (w/o build)")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(xs, [sb[k]["steps"]["1"]["step_ms"] for k in xs], "k_", markersize=30,
+            label="step wall")
+    ax.set_ylabel("ms (GPU spans, batch 1)")
+    ax.set_title("Step breakdown, batch 1")
+    ax.legend(fontsize=7)
+    plt.setp(ax.get_xticklabels(), rotation=30)
+    fig.tight_layout()
+    fig.savefig(os.path.join(plot_dir, "breakdown_b1.png"), dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k in sb:
+        e2e = sb[k].get("e2e", {})
+        pts = sorted((key.rsplit("_N", 1)[0], v["tok_per_s"]) for key, v in e2e.items()
+                     if key.endswith("_N1"))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
+    ax.set_ylabel("tokens/s (batch 1)")
+    ax.set_xlabel("synthetic drafter profile (P(true token at rank 0))")
+    ax.set_title("End-to-end, synthetic drafter, batch 1")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(plot_dir, "e2e_b1.png"), dpi=120)
+    plt.close(fig)
+
+
+def main():
+    d = sys.argv[1]
+    plot_dir = sys.argv[2] if len(sys.argv) > 2 else None
+    sb, eq, kb = load(d, "step_bench.json"), load(d, "equality.json"), load(d, "kernel_bench.json")
+    if eq:
+        print("### Equality\n")
+        print("```\n" + json.dumps(eq.get("summary"), indent=1) + "\n```")
+        for k, v in eq.items():
+            if isinstance(v, dict) and ("walk" in v or "error" in v):
+                print(k, json.dumps({x: v.get(x) for x in ("walk", "eager_tree_attention_calls",
+                                                              "seconds")})[:600])
+                if "error" in v:
+                    print("ERROR", v["error"][-600:])
+    if sb:
+        print("\n### Step time\n")
+        print(step_tables(sb))
+        print("\n### End-to-end\n")
+        print(e2e_table(sb))
+        for k, v in sb.items():
+            if "error" in v:
+                print("\nERROR", k, v["error"][-800:])
+        if plot_dir:
+            plots(sb, plot_dir)
+    if kb:
+        print("\n### Tree kernel vs FA3\n")
+        print(kernel_table(kb))
+
+
+if __name__ == "__main__":
+    main()

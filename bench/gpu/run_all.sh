@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The whole H200 session in one command (after install_remote.sh put the patched vLLM
+# 0.20.2 bundle in /tmp/vb).  Every stage has its own timeout and writes under $OUT,
+# so a stage that fails or runs out of time leaves the others' results.
+#   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests eq kernel bench",
+#                                         BENCH_CONFIGS, T_TESTS, T_EQ, T_KERNEL, T_BENCH)
+set -u
+FINAL=${OUT:-/tmp/out}   # what comes back (few files): results.tgz + the two JSONs
+OUT=/tmp/work            # every stage writes here
+mkdir -p "$OUT" "$FINAL"
+export PYTHONPATH=/tmp/vb/vllm_slim:/tmp/vb/site:${PYTHONPATH:-}
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
+STAGES=${STAGES:-"tests eq kernel bench"}
+BENCH_CONFIGS=${BENCH_CONFIGS:-"chain15 ddtree64 ddtree256 ddtree16 chain15async ddtree32 ddtree128 nospec"}
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+start=$(date +%s)
+# the payload travels with the working tree: refresh it in the installed bundle (a payload
+# fix then needs no new bundle); a carried .gpu-patch/ (patched upstream files, same
+# layout as site-packages) is laid over it too
+DDT=/tmp/vb/vllm_slim/vllm/v1/spec_decode/ddtree
+if [ -d "$DDT" ]; then
+  cp "$ROOT"/patches/ddtree/payload/*.py "$DDT/" && cp "$ROOT"/ddtree_patcher/core/*.py "$DDT/core/"
+fi
+if [ -d "$ROOT/.gpu-patch" ]; then cp -r "$ROOT/.gpu-patch/." /tmp/vb/vllm_slim/; fi
+find /tmp/vb/vllm_slim/vllm -name __pycache__ -path "*spec_decode*" -prune -exec rm -rf {} + 2>/dev/null
+stamp() { echo "=== $(($(date +%s) - start))s $*"; }
+# DEADLINE: seconds from now by which everything (tar included) must be done
+DEADLINE=${DEADLINE:-540}
+left() {  # left T: the stage's own limit T, cut to what the deadline leaves
+  local l=$((DEADLINE - ($(date +%s) - start) - 20)); [ "$l" -gt "$1" ] && l=$1
+  [ "$l" -lt 5 ] && l=5; echo $l; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+for s in $STAGES; do
+  case $s in
+    tests)
+      stamp tests
+      (cd "$ROOT" && timeout "$(left ${T_TESTS:-90})" python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu 2>&1 | tail -15) | tee "$OUT/pytest_gpu.txt" ;;
+    eq)
+      stamp equality
+      timeout "$(left ${T_EQ:-170})" python3 "$HERE/equality.py" "$OUT" > "$OUT/equality_log.txt" 2>&1
+      echo "rc=$?"; grep -E "SUMMARY|walk|eager tree|FAILED|Error" "$OUT/equality_log.txt" | cut -c1-400 | tail -20 ;;
+    kernel)
+      stamp kernel
+      timeout "$(left ${T_KERNEL:-60})" python3 "$HERE/kernel_bench.py" "$OUT" 2>&1 | grep -v Warning | tail -20 ;;
+    bench)
+      stamp bench
+      timeout "$(left ${T_BENCH:-600})" python3 "$HERE/step_bench.py" "$OUT" $BENCH_CONFIGS \
+        > "$OUT/bench_log.txt" 2>&1
+      echo "rc=$?"; grep -E " N |e2e|FAILED|Error|engine" "$OUT/bench_log.txt" | cut -c1-330 | tail -60 ;;
+  esac
+done
+stamp done
+cp "$OUT"/step_bench.json "$OUT"/equality.json "$FINAL"/ 2>/dev/null
+tar czf "$FINAL/results.tgz" -C "$OUT" --exclude='*.safetensors' . && ls -la "$FINAL"

@@ -1,0 +1,317 @@
+"""Step time (chain k=15 vs DDTree B) and end-to-end tokens/s on the H200 with real
+(patched) vLLM 0.20.2.
+
+Target: Qwen3-8B shape, load_format="dummy", bf16, FLASH_ATTN (FA3; DFlash needs a
+non-causal backend), CUDA graphs: cudagraph_mode FULL_DECODE_ONLY without torch.compile
+(mode 0), capture sizes = the verify shapes N * (1 + K) (a uniform verify step replays
+one FULL graph; for DDTree that graph holds the tree-attention kernel).  Drafter:
+DFlash-b16 shape (5 layers, target_layer_ids [1, 9, 17, 25, 33], block 16 -> L = 15)
+with random safetensors written here (draft_load_config: safetensors).
+
+(b) step time: N random prompts of 512 tokens, 48 new tokens, random drafter
+    (acceptance ~0, so every step is a full verify); 32 new tokens.  Per uniform verify step: wall time
+    between consecutive execute_model starts (median), and CUDA-event spans of the
+    phases: verify forward (target), sample (DDTree: logits gather + tree walk; chain:
+    rejection sampler), commit (DDTree: positions back, path rows first, KV
+    compaction), draft (drafter pass incl. tree build), tree build, walk, prepare.
+(c) end-to-end: after (b), in the same engine, the target is rewired so that its greedy
+    next token is pi(current token) for a fixed random permutation pi (o_proj and
+    down_proj zeroed, final norm 1, lm_head = permuted embeddings: same shapes, same
+    cost) and the drafter's logits are replaced by calibrated synthetic ones: at depth d
+    the drafter gives probability p_k to its k-th token and the true token pi^d(bonus)
+    sits at a rank drawn from that same profile p.  Chain = argmax per depth,
+    DDTree = the best tree of B.  Tokens/s over 128 new tokens (all profiles at batch 1, p80 at batch 16), tau = tokens / steps,
+    and every output is checked against the pi-chain (lossless).
+
+    python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
+    CONFIG: nospec | chain15 | chain15async | ddtree<B>
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+import torch  # noqa: E402
+
+BATCHES = [int(x) for x in os.environ.get("BENCH_BATCHES", "1,4,16,32").split(",")]
+E2E_BATCHES = [int(x) for x in os.environ.get("BENCH_E2E_BATCHES", "1,16").split(",")]
+PROMPT, NEW, E2E_NEW = 512, 32, 128
+PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
+            "p90": [0.9, 0.05, 0.02]}
+L = 15
+BASE = "/tmp/bench_models"
+
+
+def parse(cfg: str):
+    if cfg == "nospec":
+        return dict(kind="nospec", k=0)
+    if cfg.startswith("chain"):
+        return dict(kind="chain", k=15, async_sched=cfg.endswith("async"))
+    if cfg.startswith("ddtree"):
+        return dict(kind="ddtree", k=int(cfg[6:]))
+    raise ValueError(cfg)
+
+
+def make_models():
+    cfg = C.qwen3_config(**C.QWEN3_8B)
+    C.write_target(f"{BASE}/target", cfg, random_weights=False)
+    if not os.path.exists(f"{BASE}/drafter/model.safetensors"):
+        d = C.DFLASH_B16
+        C.write_drafter(f"{BASE}/drafter", cfg, d["layers"], d["target_layer_ids"],
+                        d["block_size"], d["mask_token_id"], std=0.02)
+
+
+def engine(spec: dict):
+    from vllm import LLM
+    from vllm.config import LoadConfig
+
+    k = spec["k"]
+    sizes = [n * (1 + k) for n in sorted(set(BATCHES + E2E_BATCHES))]
+    kw = dict(model=f"{BASE}/target", load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=max(BATCHES),
+              max_num_batched_tokens=max(BATCHES) * PROMPT + 512,
+              gpu_memory_utilization=0.3, attention_backend="FLASH_ATTN",
+              compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                  "cudagraph_capture_sizes": sizes})
+    if spec["kind"] != "nospec":
+        sc = {"model": f"{BASE}/drafter", "num_speculative_tokens": k,
+              "draft_load_config": LoadConfig(load_format="safetensors")}
+        if spec["kind"] == "ddtree":
+            sc.update(method="ddtree", ddtree_depth=L)
+        else:
+            sc["method"] = "dflash"
+            kw["async_scheduling"] = bool(spec.get("async_sched"))
+        kw["speculative_config"] = sc
+    return LLM(**kw)
+
+
+class Hooks:
+    """CUDA-event spans of the step phases + wall time per step (no extra syncs)."""
+
+    def __init__(self, runner, kind):
+        self.runner = runner
+        self.steps = []
+        self.cur = None
+        self.call = None
+        r = runner
+
+        def step_start(orig):
+            def f(scheduler_output, *a, **k):
+                self.cur = {"t": time.perf_counter(),
+                            "tokens": scheduler_output.total_num_scheduled_tokens,
+                            "ev": {}, "cpu": {}}
+                self.steps.append(self.cur)
+                return orig(scheduler_output, *a, **k)
+            return f
+
+        def span(name, orig, cpu=False):
+            def f(*a, **k):
+                if self.cur is None:
+                    return orig(*a, **k)
+                s = torch.cuda.Event(enable_timing=True)
+                e = torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                s.record()
+                out = orig(*a, **k)
+                e.record()
+                self.cur["ev"].setdefault(name, []).append((s, e))
+                if cpu:
+                    self.cur["cpu"][name] = self.cur["cpu"].get(name, 0.0) + \
+                        (time.perf_counter() - t0) * 1e3
+                return out
+            return f
+
+        r.execute_model = step_start(r.execute_model)
+        r._model_forward = span("verify_forward", r._model_forward)
+        r._sample = span("sample", r._sample)
+        if kind != "nospec":
+            orig_propose = r.drafter.propose
+
+            def propose(*a, **k):
+                self.call = k
+                return orig_propose(*a, **k)
+
+            r.drafter.propose = span("draft", propose, cpu=True)
+        if kind == "ddtree":
+            import vllm.v1.spec_decode.ddtree.proposer as pm
+            import vllm.v1.spec_decode.ddtree.sampler as sm
+
+            pm.build_tree = span("tree_build", pm.build_tree)
+            sm.walk_greedy = span("walk", sm.walk_greedy)
+            r.ddtree.prepare = span("prepare", r.ddtree.prepare, cpu=True)
+            r.ddtree.commit = span("commit", r.ddtree.commit, cpu=True)
+
+    def reset(self):
+        self.steps, self.cur = [], None
+
+    def summary(self, verify_tokens: int) -> dict:
+        torch.cuda.synchronize()
+        st = self.steps
+        walls, phases, cpus = [], {}, {}
+        for i, s in enumerate(st):
+            if s["tokens"] != verify_tokens:
+                continue
+            if i + 1 < len(st):
+                walls.append((st[i + 1]["t"] - s["t"]) * 1e3)
+            for name, evs in s["ev"].items():
+                phases.setdefault(name, []).append(sum(a.elapsed_time(b) for a, b in evs))
+            for name, v in s["cpu"].items():
+                cpus.setdefault(name, []).append(v)
+        med = lambda x: statistics.median(x) if x else None  # noqa: E731
+        return {"verify_steps": len(walls), "all_steps": len(st),
+                "step_ms": med(walls),
+                "step_ms_mean": statistics.fmean(walls) if walls else None,
+                "gpu_ms": {k: med(v) for k, v in phases.items()},
+                "cpu_ms": {k: med(v) for k, v in cpus.items()}}
+
+
+class FastSynthetic:
+    """A calibrated synthetic drafter on the GPU: at depth d its distribution puts
+    probability p_k on k-th ranked tokens (the profile), the rest spread over the vocab,
+    and the true token pi^d(bonus) sits at a rank drawn from the same profile (or in the
+    tail).  Calibrated: what the drafter believes is what the target then accepts."""
+
+    def __init__(self, perm, rank_probs, seed=0):
+        self.perm = perm
+        dev = perm.device
+        p = torch.tensor(rank_probs, dtype=torch.float64)
+        self.cum = p.cumsum(0).float().to(dev)
+        self.logp = p.log().float().to(dev)
+        self.tail = float(torch.log((1 - p.sum()).clamp(min=1e-6) / perm.numel()))
+        self.r = len(rank_probs)
+        self.gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def logits(self, runner, call, n, depth, real):
+        dev = real.device
+        v = real.shape[-1]
+        t = call["next_token_ids"][:n].long()
+        true = torch.empty(n, depth, dtype=torch.long, device=dev)
+        for d in range(depth):
+            t = self.perm[t]
+            true[:, d] = t
+        u = torch.rand(n, depth, device=dev, generator=self.gen)
+        rank = torch.searchsorted(self.cum, u.contiguous(), right=True)
+        base = self.tail + 1e-3 * torch.rand(n, depth, v, device=dev, generator=self.gen)
+        cand = torch.randint(0, v, (n, depth, self.r), device=dev, generator=self.gen)
+        base.scatter_(-1, cand, self.logp.expand(n, depth, self.r).contiguous())
+        absent = (rank >= self.r).unsqueeze(-1)
+        tgt = cand.gather(-1, rank.clamp(max=self.r - 1).unsqueeze(-1))
+        tgt = torch.where(absent, true.unsqueeze(-1), tgt)  # absent: stays in the tail
+        v_true = base.gather(-1, true.unsqueeze(-1))
+        v_tgt = base.gather(-1, tgt)
+        base.scatter_(-1, tgt, v_true)
+        base.scatter_(-1, true.unsqueeze(-1), v_tgt)
+        return base
+
+
+def rewire_target(runner, seed=0):
+    """Greedy next token = pi(current token), robustly (large margins in bf16)."""
+    model = runner.model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+                p.zero_()
+        model.model.norm.weight.fill_(1.0)
+        emb = model.model.embed_tokens.weight
+        v = emb.shape[0]
+        g = torch.Generator(device=emb.device).manual_seed(seed)
+        perm = torch.randperm(v, device=emb.device, generator=g)
+        inv = torch.argsort(perm)
+        model.lm_head.weight.copy_(emb[inv])
+    return perm
+
+
+def use_synthetic(runner, kind, hooks, synth):
+    if kind == "ddtree":
+        runner.drafter._ddtree_synthetic = synth
+    elif kind == "chain":
+        def greedy(hidden_states):
+            depth = runner.drafter.num_speculative_tokens
+            n = hidden_states.shape[0] // depth
+            lg = synth.logits(runner, hooks.call, n, depth, runner.drafter.model.compute_logits(
+                hidden_states).view(n, depth, -1))
+            return lg.argmax(-1).reshape(-1)
+
+        runner.drafter._greedy_sample = greedy
+
+
+def run_config(name, out_dir, res):
+    spec = parse(name)
+    kind, k = spec["kind"], spec["k"]
+    C.log("engine", name)
+    t0 = time.perf_counter()
+    llm = engine(spec)
+    res[name] = {"init_s": time.perf_counter() - t0, "steps": {}, "e2e": {}}
+    C.dump(os.path.join(out_dir, "step_bench.json"), res)
+    runner = C.runner_of(llm)
+    hooks = Hooks(runner, kind)
+    verify = 1 + k
+    for i, n in enumerate(BATCHES):
+        toks = C.prompts(n, PROMPT, 1000, 100000, seed=n)
+        if i == 0:
+            C.generate(llm, toks, 8)  # warm-up (Triton compiles, allocator)
+        hooks.reset()
+        outs, dt = C.generate(llm, toks, NEW)
+        s = hooks.summary(n * verify)
+        s["generate_s"] = dt
+        s["tokens"] = sum(len(o) for o in outs)
+        res[name]["steps"][str(n)] = s
+        C.log(name, "N", n, "step ms", s["step_ms"], "gpu", json.dumps(s["gpu_ms"]),
+              "cpu", json.dumps(s["cpu_ms"]))
+        C.dump(os.path.join(out_dir, "step_bench.json"), res)
+    perm = rewire_target(runner)
+    profiles = PROFILES if kind != "nospec" else {"-": None}
+    for pname, probs in profiles.items():
+        if probs is not None:
+            use_synthetic(runner, kind, hooks, FastSynthetic(perm, probs))
+        for n in E2E_BATCHES:
+            if n > 1 and pname not in ("p80", "-"):
+                continue
+            toks = C.prompts(n, PROMPT, 1000, 100000, seed=100 + n)
+            hooks.reset()
+            outs, dt = C.generate(llm, toks, E2E_NEW)
+            dec = [s for s in hooks.steps if s["tokens"] <= n * verify]
+            steps = len(dec)
+            active = sum(s["tokens"] / verify for s in dec)  # request-steps
+            pc = perm.cpu()
+            bad = 0
+            for p, o in zip(toks, outs):
+                prev = p[-1]
+                for x in o:
+                    bad += int(x != int(pc[prev]))
+                    prev = x
+            toks_out = sum(len(o) for o in outs)
+            e = {"tokens": toks_out, "seconds": dt, "tok_per_s": toks_out / dt,
+                 "decode_steps": steps,
+                 "tau": (toks_out - n) / active if active else None,
+                 "mismatches_vs_pi_chain": bad}
+            res[name]["e2e"][f"{pname}_N{n}"] = e
+            C.log(name, "e2e", pname, "N", n, json.dumps(e))
+            C.dump(os.path.join(out_dir, "step_bench.json"), res)
+    C.teardown(llm)
+
+
+def main():
+    out_dir = sys.argv[1]
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "step_bench.json")
+    res = json.load(open(path)) if os.path.exists(path) else {}
+    make_models()
+    for name in sys.argv[2:]:
+        try:
+            run_config(name, out_dir, res)
+        except Exception:
+            res.setdefault(name, {})["error"] = traceback.format_exc()[-3000:]
+            C.log("FAILED", name, res[name]["error"][-1500:])
+            C.dump(path, res)
+
+
+if __name__ == "__main__":
+    main()

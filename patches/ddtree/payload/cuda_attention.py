@@ -1,0 +1,316 @@
+"""Tree attention for vLLM's CUDA backends (FLASH_ATTN, FLEX_ATTENTION): DDTree verify.
+
+Neither FA3 nor the FlexAttention backend takes a per-request mask, so a verify step
+runs this Triton paged-attention kernel instead (hooked into both backends' forward
+by the ddtree-sampler transform).  Every query row of request r sees the request's
+whole context (``seq_len - q_len`` cached tokens) and, among this step's rows:
+
+  * with a tree (``has_tree[r] != 0``): the rows its ancestor-or-self mask allows,
+    ``mask[r, i, j]`` over verify rows (row 0 = root, row 1 + k = tree node k);
+  * without one: the rows before it and itself (plain causal: prefill chunks,
+    requests without drafts, drafts verified as a chain).
+
+It reads K/V from the paged cache ([num_blocks, block_size, kv_heads, head_size]
+per K and V, any strides: the FA/Flex layouts), which the backends fill before
+``forward`` (``forward_includes_kv_cache_update = False``).
+
+CUDA graphs: the launch depends only on the batch shape (number of requests, the
+metadata's ``max_query_len``) and on tensors at fixed addresses (the runner's
+persistent query_start_loc / seq_lens / block table, and the ``TreeState`` buffers
+that the runtime fills before every forward), so a FULL graph captured with it
+replays correctly with any trees.  Rows with ``has_tree = 0`` are causal, so the
+same graph is right for batches without trees.
+
+``reference_tree_attention`` is the torch version (fp32 math), used by the tests;
+the CPU backend's ``cpu_attention.tree_attention`` is the same rule over the CPU
+cache layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .core._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
+
+
+SPLIT_MIN_PROGRAMS = 132  # H100/H200 SM count: fewer programs than this -> split the keys
+MAX_SPLITS = 8
+
+
+class TreeState:
+    """Static per-step tree inputs of the kernel (fixed addresses: CUDA-graph safe)."""
+
+    def __init__(self, max_reqs: int, budget: int, device):
+        rows = budget + 1
+        self.rows = rows
+        self.has_tree = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        self.mask = torch.zeros(max_reqs, rows, rows, dtype=torch.int8, device=device)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi, row_ok, d, dm, ctx, kend,
+              has, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_mi, scale, kvh, block_size,
+              BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """One key tile: scores, tree/causal visibility, online-softmax update."""
+        kk = start + tl.arange(0, BLOCK_N)
+        km = kk < kend
+        blk = tl.load(bt_row + kk // block_size, mask=km, other=0).to(tl.int64)
+        off = (kk % block_size).to(tl.int64)
+        kv_m = km[:, None] & dm[None, :]
+        k = tl.load(K + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + d[None, :],
+                    mask=kv_m, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        j = kk - ctx
+        new = (j >= 0) & km
+        tm = tl.load(mask_row + qi[:, None] * s_mi + j[None, :],
+                     mask=row_ok[:, None] & new[None, :] & has, other=0)
+        causal = j[None, :] <= qi[:, None]
+        vis = tl.where(has, tm != 0, causal) | (j < 0)[None, :]
+        vis = vis & km[None, :] & row_ok[:, None]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + d[None, :],
+                    mask=kv_m, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _tree_attn_kernel(Q, K, V, O, BT, SEQ, QSL, HAS, MASK, PM, PL, PACC,
+                          s_qt, s_qh, s_ot, s_oh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                          s_bt, s_mr, s_mi, scale, block_size, NQB, NKV,
+                          G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                          IEEE: tl.constexpr, USE_FOR: tl.constexpr, S: tl.constexpr):
+        # one program = one request x BLOCK_Q query tokens x one KV head (all G query
+        # heads of it: M >= BLOCK_Q * G rows, GQA packed like unified_attention) x one
+        # of S key splits (S > 1: partial softmax state to PM/PL/PACC, then _combine)
+        r = tl.program_id(0)
+        qb = tl.program_id(1)
+        kvh = tl.program_id(2) // S
+        sp = tl.program_id(2) % S
+        q0 = tl.load(QSL + r)
+        q_len = tl.load(QSL + r + 1) - q0
+        if qb * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(SEQ + r)
+        ctx = seq_len - q_len
+        m = tl.arange(0, M)
+        qi = qb * BLOCK_Q + m // G
+        h = kvh * G + m % G
+        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
+        d = tl.arange(0, DP)
+        dm = d < D
+        tok = (q0 + qi).to(tl.int64)
+        q = tl.load(Q + tok[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
+                    mask=row_ok[:, None] & dm[None, :], other=0.0)
+        has = tl.load(HAS + r) != 0
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, DP], tl.float32)
+        # ancestors precede their descendants: no row of this block sees past kend
+        hi = (qb + 1) * BLOCK_Q
+        kend = ctx + q_len
+        if hi < q_len:
+            kend = ctx + hi
+        bt_row = BT + r.to(tl.int64) * s_bt
+        mask_row = MASK + r.to(tl.int64) * s_mr
+        # this split's keys: whole tiles, [k_lo, k_hi)
+        per = (kend + BLOCK_N * S - 1) // (BLOCK_N * S) * BLOCK_N
+        k_lo = sp * per
+        k_hi = k_lo + per
+        if kend < k_hi:
+            k_hi = kend
+        if USE_FOR:  # compiled: a for loop (software-pipelined)
+            for start in range(k_lo, k_hi, BLOCK_N):
+                m_i, l_i, acc = _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi,
+                                      row_ok, d, dm, ctx, k_hi, has, s_kb, s_kt, s_kh, s_vb,
+                                      s_vt, s_vh, s_mi, scale, kvh, block_size,
+                                      BLOCK_N, IEEE)
+        else:  # the CPU interpreter cannot take a loaded loop bound in range()
+            start = k_lo
+            while start < k_hi:
+                m_i, l_i, acc = _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi,
+                                      row_ok, d, dm, ctx, k_hi, has, s_kb, s_kt, s_kh, s_vb,
+                                      s_vt, s_vh, s_mi, scale, kvh, block_size,
+                                      BLOCK_N, IEEE)
+                start += BLOCK_N
+        if S == 1:
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            out = acc / l_safe[:, None]
+            tl.store(O + tok[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
+                     out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+        else:
+            part = ((r.to(tl.int64) * NQB + qb) * NKV + kvh) * S + sp
+            tl.store(PM + part * M + m, m_i)
+            tl.store(PL + part * M + m, l_i)
+            tl.store(PACC + (part * M + m)[:, None] * DP + d[None, :], acc)
+
+    @triton.jit
+    def _combine(O, QSL, PM, PL, PACC, s_ot, s_oh, NQB, NKV,
+                 G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                 DP: tl.constexpr, S: tl.constexpr):
+        r = tl.program_id(0)
+        qb = tl.program_id(1)
+        kvh = tl.program_id(2)
+        q0 = tl.load(QSL + r)
+        q_len = tl.load(QSL + r + 1) - q0
+        if qb * BLOCK_Q >= q_len:
+            return
+        m = tl.arange(0, M)
+        qi = qb * BLOCK_Q + m // G
+        h = kvh * G + m % G
+        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
+        d = tl.arange(0, DP)
+        dm = d < D
+        tok = (q0 + qi).to(tl.int64)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, DP], tl.float32)
+        base = ((r.to(tl.int64) * NQB + qb) * NKV + kvh) * S
+        for sp in tl.static_range(S):
+            ms = tl.load(PM + (base + sp) * M + m)
+            ls = tl.load(PL + (base + sp) * M + m)
+            accs = tl.load(PACC + ((base + sp) * M + m)[:, None] * DP + d[None, :])
+            m_new = tl.maximum(m_i, ms)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a = tl.exp(m_i - m_safe)
+            b = tl.exp(ms - m_safe)
+            l_i = l_i * a + ls * b
+            acc = acc * a[:, None] + accs * b[:, None]
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(O + tok[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.dim() == 3 else x.view(x.shape[0], heads, -1)
+
+
+def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_start_loc,
+           has_tree, mask, scale: float, max_query_len: int, num_kv_heads: int,
+           block_n: int = 64, splits: int | None = None) -> torch.Tensor:
+    """query/output [T, Hq, D] (or [T, Hq*D]); key/value_cache [blocks, block_size,
+    Hkv, D]; block_table [R, max_blocks]; seq_lens [R]; query_start_loc [R + 1];
+    has_tree [>= R] int32; mask [>= R, rows, rows] int8 (last dim contiguous).
+
+    Small batches split the keys over S programs (flash-decoding style) so the GPU is
+    filled; S depends on the launch shape only (CUDA-graph safe: each program derives
+    its key range from the loaded sequence length)."""
+    num_reqs = query_start_loc.shape[0] - 1
+    d = key_cache.shape[-1]
+    hq = query.shape[1] if query.dim() == 3 else query.shape[1] // d
+    q = _heads(query, hq)
+    o = _heads(output, hq)
+    g = hq // num_kv_heads
+    block_q = max(1, 64 // g)
+    m = max(16, next_pow2(block_q * g))
+    dp = max(16, next_pow2(d))
+    nqb = triton.cdiv(max(int(max_query_len), 1), block_q)
+    progs = num_reqs * nqb * num_kv_heads
+    if splits is None:
+        splits = 1 if progs >= SPLIT_MIN_PROGRAMS else \
+            max(1, min(MAX_SPLITS, (2 * SPLIT_MIN_PROGRAMS) // max(progs, 1)))
+    if splits > 1:
+        n = progs * splits * m
+        pm = torch.empty(n, dtype=torch.float32, device=q.device)
+        pl = torch.empty(n, dtype=torch.float32, device=q.device)
+        pacc = torch.empty(n * dp, dtype=torch.float32, device=q.device)
+    else:
+        pm = pl = pacc = q  # unused
+    assert mask.stride(2) == 1
+    _tree_attn_kernel[(num_reqs, nqb, num_kv_heads * splits)](
+        q, key_cache, value_cache, o, block_table, seq_lens, query_start_loc, has_tree, mask,
+        pm, pl, pacc,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), mask.stride(0), mask.stride(1), float(scale),
+        key_cache.shape[1], nqb, num_kv_heads,
+        G=g, BLOCK_Q=block_q, M=m, BLOCK_N=block_n, D=d, DP=dp,
+        IEEE=query.dtype == torch.float32, USE_FOR=not interpreting(), S=splits,
+        num_warps=4)
+    if splits > 1:
+        _combine[(num_reqs, nqb, num_kv_heads)](
+            o, query_start_loc, pm, pl, pacc, o.stride(0), o.stride(1), nqb, num_kv_heads,
+            G=g, BLOCK_Q=block_q, M=m, D=d, DP=dp, S=splits, num_warps=4)
+    return output
+
+
+def _check(impl) -> None:
+    window = getattr(impl, "sliding_window", None)
+    bad = []
+    if getattr(impl, "alibi_slopes", None) is not None:
+        bad.append("ALiBi")
+    if getattr(impl, "logits_soft_cap", None):
+        bad.append("softcap")
+    if getattr(impl, "sinks", None) is not None:
+        bad.append("attention sinks")
+    if str(getattr(impl, "kv_cache_dtype", "auto")) not in ("auto", "None"):
+        bad.append("quantised KV cache")
+    if window not in (None, -1, (-1, -1), [-1, -1]):
+        bad.append("sliding window")
+    if getattr(impl, "dcp_world_size", 1) > 1:
+        bad.append("decode context parallelism")
+    if bad:
+        raise NotImplementedError("DDTree tree attention supports plain full attention in "
+                                  "the target; this model uses " + ", ".join(bad))
+
+
+def tree_attention(impl, layer, query, key, value, kv_cache, md, output, backend=""):
+    """The backends' forward for metadata marked by the DDTree runtime (``md.ddtree``
+    is the runtime's TreeState).  K/V of this step are already in ``kv_cache``."""
+    if not getattr(impl, "_ddtree_checked", False):
+        _check(impl)
+        impl._ddtree_checked = True
+    state = md.ddtree
+    key_cache, value_cache = kv_cache.unbind(0)
+    return launch(query, key_cache, value_cache, output, md.block_table, md.seq_lens,
+                  md.query_start_loc, state.has_tree, state.mask, impl.scale,
+                  md.max_query_len, impl.num_kv_heads)
+
+
+def reference_tree_attention(query, key_cache, value_cache, block_table, seq_lens,
+                             query_start_loc, has_tree, mask, scale, num_kv_heads):
+    """torch oracle (fp32 math) with the kernel's semantics; returns [T, Hq, D]."""
+    d = key_cache.shape[-1]
+    hq = query.shape[1] if query.dim() == 3 else query.shape[1] // d
+    q_all = _heads(query, hq)
+    out = torch.zeros(q_all.shape, dtype=torch.float32, device=query.device)
+    bs = key_cache.shape[1]
+    qsl = query_start_loc.tolist()
+    sl = seq_lens.tolist()
+    g = hq // num_kv_heads
+    for r in range(len(qsl) - 1):
+        q0, q1 = qsl[r], qsl[r + 1]
+        if q1 <= q0:
+            continue
+        q_len, seq_len = q1 - q0, sl[r]
+        ctx = seq_len - q_len
+        pos = torch.arange(seq_len, device=query.device)
+        blk = block_table[r, pos // bs].long()
+        k = key_cache[blk, pos % bs].float().repeat_interleave(g, dim=1)  # [S, Hq, D]
+        v = value_cache[blk, pos % bs].float().repeat_interleave(g, dim=1)
+        q = q_all[q0:q1].float()
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale
+        new = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        if int(has_tree[r]):
+            new = mask[r, :q_len, :q_len] != 0
+        vis = torch.cat([torch.ones(q_len, ctx, dtype=torch.bool, device=query.device), new], 1)
+        s = s.masked_fill(~vis.unsqueeze(0), float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+    return out

@@ -1,0 +1,145 @@
+"""CudaDDTreeRuntime (payload/cuda_runtime.py) through one verify step with a fake runner:
+tree positions, the static tree inputs of the attention, the walk through the sampler,
+then commit (positions back, path rows first, KV moved in the paged FA-layout cache).
+Runs on CPU (torch paths of the core) and on CUDA."""
+
+import sys
+import types
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from .conftest import HAS_CUDA, payload_module
+
+
+def _runtime_module(monkeypatch):
+    """payload/cuda_runtime.py; without vLLM, vllm.v1.outputs is stubbed for the test."""
+    try:
+        import vllm.v1.outputs  # noqa: F401
+    except Exception:
+        @dataclass
+        class SamplerOutput:  # the two fields vLLM's SamplerOutput has
+            sampled_token_ids: torch.Tensor
+            logprobs_tensors: object = None
+
+        for k in ("vllm", "vllm.v1", "vllm.v1.outputs"):
+            monkeypatch.setitem(sys.modules, k, types.ModuleType(k))
+        sys.modules["vllm.v1.outputs"].SamplerOutput = SamplerOutput
+    payload_module("sampler")
+    return payload_module("cuda_runtime")
+
+
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if HAS_CUDA else []))
+def test_one_verify_step(dev, monkeypatch):
+    cr = _runtime_module(monkeypatch)
+    core = payload_module("core")
+    B, L, V, H, BS = 6, 3, 16, 4, 4
+    g = torch.Generator().manual_seed(3)
+    # trees of the proposer's last call: rows ["x", "a"]
+    draft = torch.randn(2, L, V, generator=g) * 2
+    tree = core.build_tree(draft.to(dev), B, B)
+    # batch: a (tree, 6 drafts), b (no stored tree: chain, 3 drafts), c (no drafts)
+    ctx = {"a": 10, "b": 5, "c": 0}
+    qlen = {"a": 7, "b": 4, "c": 3}
+    reqs = ["a", "b", "c"]
+    qsl = np.array([0, 7, 11, 14, 14, 14], dtype=np.int32)
+    t = 14
+    lin = torch.cat([torch.arange(ctx[r], ctx[r] + qlen[r]) for r in reqs]).to(dev)
+    positions = torch.zeros(32, dtype=torch.int64, device=dev)
+    positions[:t] = lin
+    nblocks = 5
+    bt = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]],
+                      dtype=torch.int32, device=dev)
+    kv = torch.zeros(2, 16, BS, 1, 2, device=dev)
+    kv[..., 0] = torch.arange(16 * BS, device=dev, dtype=torch.float32).view(1, 16, BS, 1)
+    kv[1] += 1000
+    runner = SimpleNamespace(
+        device=torch.device(dev), max_num_reqs=4, sampler=None,
+        speculative_config=SimpleNamespace(ddtree_budget=B, ddtree_depth=L),
+        positions=positions,
+        input_ids=SimpleNamespace(gpu=torch.arange(100, 132, device=dev)),
+        query_start_loc=SimpleNamespace(np=qsl),
+        input_batch=SimpleNamespace(req_ids=reqs, block_table=[SimpleNamespace(
+            get_device_tensor=lambda n: bt[:n])]),
+        requests={r: None for r in reqs},
+        compilation_config=SimpleNamespace(static_forward_context={
+            "model.layers.0.attn": SimpleNamespace(impl=object(), kv_cache=kv),
+            "drafter.layers.0.attn": SimpleNamespace(impl=object(), kv_cache=kv.clone())}),
+        drafter=SimpleNamespace(_draft_attn_layer_names={"drafter.layers.0.attn"}),
+    )
+    rt = cr.make_runtime(runner)
+    assert isinstance(rt, cr.CudaDDTreeRuntime) == (dev == "cuda")
+    if dev == "cpu":  # exercise the CUDA runtime's logic on the CPU too
+        rt = cr.CudaDDTreeRuntime(runner)
+    rt.store_trees(["x", "a"], tree)
+    a_tok = tree.tokens[1].tolist()
+    b_tok = [3, 4, 5]
+    sched = SimpleNamespace(scheduled_spec_decode_tokens={"a": a_tok, "b": b_tok})
+    rt.prepare(sched, t)
+    dep = tree.depths[1].cpu()
+    assert positions[1:7].cpu().tolist() == (10 + dep).tolist()  # a: root pos + depth
+    assert torch.equal(positions[7:14], lin[7:14])  # b (chain) and c stay linear
+    assert rt.state.has_tree.cpu().tolist() == [1, 0, 0, 0]
+    assert torch.equal(rt.state.mask[0].bool(), tree.ancestor_mask[1])
+    md = SimpleNamespace(causal=True)
+    drafter_md = SimpleNamespace(causal=False)
+    rt.attach({"l0": md, "l1": md, "d0": drafter_md})
+    assert md.ddtree is rt.state and not hasattr(drafter_md, "ddtree")
+
+    # target: for a follow the deepest path of the tree; b accepts 2 then stops
+    par = tree.parents[1].cpu().tolist()
+    leaf = int(tree.depths[1].argmax())
+    path = [leaf]
+    while par[path[-1]] >= 0:
+        path.append(par[path[-1]])
+    path = path[::-1]  # node indices root -> leaf
+    logits = torch.zeros(12, V, device=dev)
+    rows_a = [0] + [p + 1 for p in path]  # verify rows along the path
+    for k, r in enumerate(rows_a[:-1]):
+        logits[r, a_tok[path[k]]] = 10
+    logits[rows_a[-1], 7] = 10  # bonus after the leaf
+    logits[7 + 0, 3] = 10
+    logits[7 + 1, 4] = 10
+    logits[7 + 2, 9] = 10  # mismatch with 5: bonus 9
+    logits[11, 2] = 10  # c: its next token
+    meta = SimpleNamespace(num_draft_tokens=[6, 3, 0])
+    out = rt.sampler(meta, None, logits, SimpleNamespace(all_greedy=True))
+    toks = out.sampled_token_ids.cpu()
+    assert toks[0, : len(path) + 1].tolist() == [a_tok[p] for p in path] + [7]
+    assert toks[1, :3].tolist() == [3, 4, 9] and toks[1, 3:].eq(-1).all()
+    assert toks[2, 0] == 2 and toks[2, 1:].eq(-1).all()
+
+    aux = [torch.arange(32, device=dev, dtype=torch.float32).unsqueeze(1).repeat(1, H)]
+    kv_before = kv.clone()
+    drafter_before = runner.compilation_config.static_forward_context[
+        "drafter.layers.0.attn"].kv_cache.clone()
+    rt.commit(aux)
+    assert torch.equal(positions[:t], lin)  # linear again
+    acc = len(path)
+    want = list(range(32))
+    for j in range(1, acc + 1):
+        want[j] = rows_a[j]  # a's root is row 0
+    assert aux[0][:, 0].long().cpu().tolist() == want
+    ids = runner.input_ids.gpu.cpu().tolist()
+    assert ids[: acc + 1] == [100 + r for r in rows_a]
+    # KV: position 10 + j of a now holds what position 10 + rows_a[j] held
+    def slot(r, pos):
+        return int(bt[r, pos // BS]) * BS + pos % BS
+    flat = kv.view(2, -1, 1, 2)
+    flat_before = kv_before.view(2, -1, 1, 2)
+    for j in range(1, acc + 1):
+        assert torch.equal(flat[:, slot(0, 10 + j)], flat_before[:, slot(0, 10 + rows_a[j])])
+    moved = {slot(0, 10 + j) for j in range(1, acc + 1) if rows_a[j] != j}
+    for s in range(flat.shape[1]):
+        if s not in moved:
+            assert torch.equal(flat[:, s], flat_before[:, s])
+    assert torch.equal(runner.compilation_config.static_forward_context[
+        "drafter.layers.0.attn"].kv_cache, drafter_before)  # drafter layers untouched
+    assert rt.step is None
+
+    # a step without drafts clears the static tree flags
+    rt.prepare(SimpleNamespace(scheduled_spec_decode_tokens={}), t)
+    assert rt.state.has_tree.sum() == 0 and rt.step is None
