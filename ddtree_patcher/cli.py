@@ -151,7 +151,8 @@ def revert(only, force, python, site_packages, as_json):
             note = _recover_note(t, state)
             manifest = state.load_manifest()
             applied = manifest["applied"] if manifest else []
-            wanted = [n for n in applied if n not in only] if only else []
+            drop = engine.with_dependents(only) if only else set(applied)
+            wanted = [n for n in applied if n not in drop]
             p = engine.plan(t, state, wanted, force=force)
             engine.execute(p, state, "revert")
         bad = record_mismatches(t) if not wanted else []

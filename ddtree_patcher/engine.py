@@ -468,3 +468,18 @@ def resolve_names(only: tuple[str, ...], skip: tuple[str, ...]) -> list[str]:
     for n in names:
         add(n)
     return out
+
+
+def with_dependents(names) -> set[str]:
+    """``names`` plus every transform that requires one of them (reverting a transform
+    takes out what is built on it)."""
+    transforms, _ = _registry()
+    out = set(names)
+    changed = True
+    while changed:
+        changed = False
+        for tr in transforms:
+            if tr.name not in out and out & set(tr.requires):
+                out.add(tr.name)
+                changed = True
+    return out

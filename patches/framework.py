@@ -333,9 +333,11 @@ def file_edit(path: str, steps: Sequence[Step], what: str = "") -> FileEdit:
 
     def apply(source: str) -> str:
         for st in steps:
-            if not _step_applied(source, st):
+            text = isinstance(st.marker, str)
+            if text and st.marker not in source or not _step_applied(source, st):
                 source = st.apply(source)
-                if not _step_applied(source, st):
+                # a text marker that appears only now took effect (no re-parse needed)
+                if not (st.marker in source if text else _step_applied(source, st)):
                     raise AnchorError(f"step on {st.qualname or path} did not take effect")
         return source
 
