@@ -19,7 +19,7 @@ into the added package vllm/v1/spec_decode/ddtree).  What differs on 0.20.x:
 
 from functools import partial
 
-from ..framework import Step, file_edit, insert_at_start, insert_near
+from ..framework import Step, file_edit, insert_near
 from . import v0_32
 
 SPEC = v0_32.SPEC
@@ -34,47 +34,21 @@ PKG = v0_32.PKG
 SPEC_EDIT = v0_32.SPEC_EDIT
 INPUT_EDIT = v0_32.INPUT_EDIT
 
-VLLM_EDIT = file_edit(VLLM, [
-    Step("VllmConfig.__post_init__", partial(
-        insert_at_start, qualname="VllmConfig.__post_init__",
-        code=f"if getattr(self.speculative_config, 'ddtree_budget', None) is not None:\n"
-             f"    from {PKG}.config import ddtree_vllm_config\n"
-             f"    ddtree_vllm_config(self)\n"), "ddtree_vllm_config(self)"),
-], "synchronous scheduling and the V1 runner for DDTree")
+VLLM_EDIT = file_edit(VLLM, [v0_32.VLLM_POST_INIT],
+                      "synchronous scheduling and the V1 runner for DDTree")
 
 PROPOSER_RUNNER_EDIT = v0_32.PROPOSER_RUNNER_EDIT
 
 SAMPLER_RUNNER_EDIT = file_edit(RUNNER, [
-    Step("GPUModelRunner.__init__", partial(
-        insert_near, qualname="GPUModelRunner.__init__",
-        match=lambda c: c.strip().startswith("self.rejection_sampler = RejectionSampler("),
-        code=f"self.ddtree = None\n"
-             f"if self.speculative_config.use_ddtree():\n"
-             f"    from {PKG}.cuda_runtime import make_runtime\n"
-             f"    self.ddtree = make_runtime(self)\n"
-             f"    self.rejection_sampler = self.ddtree.sampler\n"), "make_runtime(self)"),
-    Step("GPUModelRunner._prepare_inputs", partial(
-        insert_near, qualname="GPUModelRunner._prepare_inputs",
-        match=lambda c: "self.input_batch.block_table.compute_slot_mapping(" in c,
-        code="if getattr(self, 'ddtree', None) is not None:\n"
-             "    self.ddtree.prepare(scheduler_output, total_num_scheduled_tokens)\n"),
-        "self.ddtree.prepare("),
-    Step("GPUModelRunner.execute_model", partial(
-        insert_near, qualname="GPUModelRunner.execute_model",
-        match=lambda c: "= (" in c and "self._build_attention_metadata(" in c,
-        code="if getattr(self, 'ddtree', None) is not None:\n"
-             "    self.ddtree.attach(attn_metadata)\n"), "self.ddtree.attach("),
+    v0_32.runtime_step("cuda_runtime.make_runtime"),
+    v0_32.PREPARE,
+    v0_32.ATTACH,
     Step("GPUModelRunner._dummy_run", partial(
         insert_near, qualname="GPUModelRunner._dummy_run",
         match=lambda c: c.lstrip().startswith("attn_metadata, _ = self._build_attention_metadata("),
         code="if getattr(self, 'ddtree', None) is not None:\n"
              "    self.ddtree.attach_dummy(attn_metadata)\n"), "self.ddtree.attach_dummy("),
-    Step("GPUModelRunner.sample_tokens", partial(
-        insert_near, qualname="GPUModelRunner.sample_tokens",
-        match=lambda c: c.strip() == "sampler_output = self._sample(logits, "
-                                     "spec_decode_metadata)",
-        code="if getattr(self, 'ddtree', None) is not None:\n"
-             "    self.ddtree.commit(aux_hidden_states)\n"), "self.ddtree.commit("),
+    v0_32.COMMIT,
 ], "tree sampler, tree positions, tree attention metadata (also for CUDA-graph "
    "capture), path commit")
 

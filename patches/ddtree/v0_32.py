@@ -82,12 +82,15 @@ SPEC_EDIT = file_edit(SPEC, [
         "ddtree_budget"),
 ], "method 'ddtree', its knobs and their validation")
 
+# Steps shared with the 0.20.x family (same anchors there)
+VLLM_POST_INIT = Step("VllmConfig.__post_init__", partial(
+    insert_at_start, qualname="VllmConfig.__post_init__",
+    code=f"if getattr(self.speculative_config, 'ddtree_budget', None) is not None:\n"
+         f"    from {PKG}.config import ddtree_vllm_config\n"
+         f"    ddtree_vllm_config(self)\n"), "ddtree_vllm_config(self)")
+
 VLLM_EDIT = file_edit(VLLM, [
-    Step("VllmConfig.__post_init__", partial(
-        insert_at_start, qualname="VllmConfig.__post_init__",
-        code=f"if getattr(self.speculative_config, 'ddtree_budget', None) is not None:\n"
-             f"    from {PKG}.config import ddtree_vllm_config\n"
-             f"    ddtree_vllm_config(self)\n"), "ddtree_vllm_config(self)"),
+    VLLM_POST_INIT,
     Step("VllmConfig._get_v2_model_runner_unsupported_features", partial(
         insert_near, qualname="VllmConfig._get_v2_model_runner_unsupported_features",
         match=lambda c: c.strip() == "unsupported: list[str] = []",
@@ -119,32 +122,40 @@ INPUT_EDIT = file_edit(INPUT, [
              f"    validate_request(params)\n"), "validate_request(params)"),
 ], "refuse sampling features DDTree does not implement, per request")
 
-SAMPLER_RUNNER_EDIT = file_edit(RUNNER, [
-    Step("GPUModelRunner.__init__", partial(
+def runtime_step(factory: str) -> Step:
+    """Create the runner's DDTree runtime (``factory``: "module.callable" in the added
+    package) right after the rejection sampler, and put its tree sampler in place."""
+    module, name = factory.rsplit(".", 1)
+    return Step("GPUModelRunner.__init__", partial(
         insert_near, qualname="GPUModelRunner.__init__",
         match=lambda c: c.strip().startswith("self.rejection_sampler = RejectionSampler("),
         code=f"self.ddtree = None\n"
              f"if self.speculative_config.use_ddtree():\n"
-             f"    from {PKG}.runtime import DDTreeRuntime\n"
-             f"    self.ddtree = DDTreeRuntime(self)\n"
-             f"    self.rejection_sampler = self.ddtree.sampler\n"), "DDTreeRuntime"),
-    Step("GPUModelRunner._prepare_inputs", partial(
-        insert_near, qualname="GPUModelRunner._prepare_inputs",
-        match=lambda c: "self.input_batch.block_table.compute_slot_mapping(" in c,
-        code="if getattr(self, 'ddtree', None) is not None:\n"
-             "    self.ddtree.prepare(scheduler_output, total_num_scheduled_tokens)\n"),
-        "self.ddtree.prepare("),
-    Step("GPUModelRunner.execute_model", partial(
-        insert_near, qualname="GPUModelRunner.execute_model",
-        match=lambda c: "= (" in c and "self._build_attention_metadata(" in c,
-        code="if getattr(self, 'ddtree', None) is not None:\n"
-             "    self.ddtree.attach(attn_metadata)\n"), "self.ddtree.attach("),
-    Step("GPUModelRunner.sample_tokens", partial(
-        insert_near, qualname="GPUModelRunner.sample_tokens",
-        match=lambda c: c.strip() == "sampler_output = self._sample(logits, "
-                                     "spec_decode_metadata)",
-        code="if getattr(self, 'ddtree', None) is not None:\n"
-             "    self.ddtree.commit(aux_hidden_states)\n"), "self.ddtree.commit("),
+             f"    from {PKG}.{module} import {name}\n"
+             f"    self.ddtree = {name}(self)\n"
+             f"    self.rejection_sampler = self.ddtree.sampler\n"), f"{name}(self)")
+
+
+PREPARE = Step("GPUModelRunner._prepare_inputs", partial(
+    insert_near, qualname="GPUModelRunner._prepare_inputs",
+    match=lambda c: "self.input_batch.block_table.compute_slot_mapping(" in c,
+    code="if getattr(self, 'ddtree', None) is not None:\n"
+         "    self.ddtree.prepare(scheduler_output, total_num_scheduled_tokens)\n"),
+    "self.ddtree.prepare(")
+ATTACH = Step("GPUModelRunner.execute_model", partial(
+    insert_near, qualname="GPUModelRunner.execute_model",
+    match=lambda c: "= (" in c and "self._build_attention_metadata(" in c,
+    code="if getattr(self, 'ddtree', None) is not None:\n"
+         "    self.ddtree.attach(attn_metadata)\n"), "self.ddtree.attach(")
+COMMIT = Step("GPUModelRunner.sample_tokens", partial(
+    insert_near, qualname="GPUModelRunner.sample_tokens",
+    match=lambda c: c.strip() == "sampler_output = self._sample(logits, "
+                                 "spec_decode_metadata)",
+    code="if getattr(self, 'ddtree', None) is not None:\n"
+         "    self.ddtree.commit(aux_hidden_states)\n"), "self.ddtree.commit(")
+
+SAMPLER_RUNNER_EDIT = file_edit(RUNNER, [
+    runtime_step("runtime.DDTreeRuntime"), PREPARE, ATTACH, COMMIT,
 ], "tree sampler, tree positions, tree attention metadata, path commit")
 
 CPU_ATTN_EDIT = file_edit(CPU_ATTN, [

@@ -84,6 +84,12 @@ class DDTreeRuntime:
     def __init__(self, runner):
         from .sampler import DDTreeSampler
 
+        if type(self) is DDTreeRuntime and torch.device(runner.device).type != "cpu":
+            # this runtime verifies with the CPU backend's tree attention; a CUDA
+            # backend would ignore the tree mask and lose exactness
+            raise NotImplementedError(
+                "DDTree on this vLLM version verifies trees with the CPU attention "
+                "backend only; on CUDA use vLLM 0.20.x (CUDA tree attention) for now")
         self.runner = runner
         spec = runner.speculative_config
         self.budget = spec.ddtree_budget
