@@ -148,6 +148,20 @@ def plan(t: Target, state: State, wanted: list[str], force: bool = False) -> Pla
         pristine[rel] = data
         return data
 
+    def drift_error() -> PatchError:
+        return PatchError("files differ from what ddtree-patch expects; nothing was written",
+                          DRIFT, "restore them with `ddtree-patch revert --force` (puts the "
+                          "pristine files back) or " + _reinstall_hint(t), details=drift)
+
+    # Read and check every file first: drift is reported per file, before any codemod.
+    for tr in transforms:
+        fam = tr.family(version)
+        if tr.name in wanted and fam is not None:
+            for e in fam.edits:
+                source(e.path)
+    if drift:
+        raise drift_error()
+
     texts: dict[str, str] = {}
     owners: dict[str, list[str]] = {}
     added: dict[str, bytes] = {}
@@ -204,9 +218,7 @@ def plan(t: Target, state: State, wanted: list[str], force: bool = False) -> Pla
             drift.append({"path": rel, "problem": "a file ddtree-patch would add already exists"})
 
     if drift:
-        raise PatchError("files differ from what ddtree-patch expects; nothing was written",
-                         DRIFT, "restore them with `ddtree-patch revert --force` (puts the "
-                         "pristine files back) or " + _reinstall_hint(t), details=drift)
+        raise drift_error()
 
     ops: list[Op] = []
     files: dict[str, dict] = {}

@@ -39,7 +39,7 @@ MARKER=.ddtree-setup-ok
 log() { printf '[setup_envs] %s\n' "$*" >&2; }
 
 # marker content: everything that should trigger a rebuild when it changes
-dev_stamp() { printf 'v1 %s | %s | editable=%s\n' "$("$PY" -c 'import sys; print(sys.version.split()[0])')" "${DEV_PKGS[*]}" "$REPO"; }
+dev_stamp() { printf 'v2 %s | %s\n' "$("$PY" -c 'import sys; print(sys.version.split()[0])')" "${DEV_PKGS[*]}"; }
 vcpu_stamp() { printf 'v1 %s | %s | %s | remove: %s\n' "$("$PY" -c 'import sys; print(sys.version.split()[0])')" "${VCPU_PKGS[*]}" "${VCPU_EXTRA[*]}" "${VCPU_REMOVE[*]}"; }
 
 is_done() {  # is_done VENV STAMP
@@ -66,9 +66,21 @@ pipi() {  # pipi VENV ARGS...
     "$v/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@"
 }
 
+# Is this checkout the one installed editable in the dev env?  (Another clone sharing
+# the env dir re-points it; then only the editable install is redone.)
+editable_here() {
+    [[ "$("$DEV/bin/python" -c 'import ddtree_patcher.patches as p, os; print(os.path.dirname(os.path.dirname(os.path.realpath(p.__file__))))' 2>/dev/null)" == "$(realpath "$REPO")" ]]
+}
+
 setup_dev() {
     local stamp; stamp="$(dev_stamp)"
-    if is_done "$DEV" "$stamp"; then log "dev env up to date: $DEV"; return; fi
+    if is_done "$DEV" "$stamp"; then
+        if ! editable_here; then
+            log "dev env: installing this checkout editable ($REPO)"
+            pipi "$DEV" --no-deps -e "$REPO" >&2
+        fi
+        log "dev env up to date: $DEV"; return
+    fi
     local t=$SECONDS
     make_venv "$DEV"
     pipi "$DEV" "${DEV_PKGS[@]}"

@@ -2,7 +2,7 @@
 # The whole H200 session in one command (after install_remote.sh put the patched vLLM
 # 0.20.2 bundle in /tmp/vb).  Every stage has its own timeout and writes under $OUT,
 # so a stage that fails or runs out of time leaves the others' results.
-#   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests eq kernel bench",
+#   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests sweep eq kernel bench",
 #                                         BENCH_CONFIGS, T_TESTS, T_EQ, T_KERNEL, T_BENCH)
 set -u
 FINAL=${OUT:-/tmp/out}   # what comes back (few files): results.tgz + the two JSONs
@@ -10,7 +10,9 @@ OUT=/tmp/work            # every stage writes here
 mkdir -p "$OUT" "$FINAL"
 export PYTHONPATH=/tmp/vb/vllm_slim:/tmp/vb/site:${PYTHONPATH:-}
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
-STAGES=${STAGES:-"tests eq kernel bench"}
+STAGES=${STAGES:-"tests sweep eq kernel bench"}
+# the tree kernel's launch table: the sweep's picks (this run's or an earlier call's)
+TUNING=/tmp/attn_tuning.json
 BENCH_CONFIGS=${BENCH_CONFIGS:-"chain15 ddtree64 ddtree256 ddtree16 chain15async ddtree32 ddtree128 nospec"}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -32,11 +34,17 @@ left() {  # left T: the stage's own limit T, cut to what the deadline leaves
   [ "$l" -lt 5 ] && l=5; echo $l; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 for s in $STAGES; do
+  if [ -s "$TUNING" ]; then export VLLM_DDTREE_ATTN_TUNING=$TUNING; fi
   case $s in
     tests)
       stamp tests
       (cd "$ROOT" && timeout "$(left ${T_TESTS:-90})" python3 -m pytest -q -p no:cacheprovider \
         tests/gpu 2>&1 | tail -15) | tee "$OUT/pytest_gpu.txt" ;;
+    sweep)
+      stamp sweep
+      env -u VLLM_DDTREE_ATTN_TUNING SWEEP_BUDGET_S=${T_SWEEP:-150} timeout "$(left $(( ${T_SWEEP:-150} + 60 )))" \
+        python3 "$HERE/attn_sweep.py" "$OUT" 2>&1 | grep -v Warning | tail -12
+      [ -s "$OUT/attn_tuning.json" ] && cp "$OUT/attn_tuning.json" "$TUNING" ;;
     eq)
       stamp equality
       timeout "$(left ${T_EQ:-170})" python3 "$HERE/equality.py" "$OUT" > "$OUT/equality_log.txt" 2>&1
@@ -52,5 +60,5 @@ for s in $STAGES; do
   esac
 done
 stamp done
-cp "$OUT"/step_bench.json "$OUT"/equality.json "$FINAL"/ 2>/dev/null
+cp "$OUT"/step_bench.json "$OUT"/equality.json "$OUT"/attn_tuning.json "$FINAL"/ 2>/dev/null
 tar czf "$FINAL/results.tgz" -C "$OUT" --exclude='*.safetensors' . && ls -la "$FINAL"

@@ -78,10 +78,9 @@ def compact_kv_slots_torch(kv_caches, src, dst, block_size: int, layout: str, no
 if HAS_TRITON:
 
     @triton.jit
-    def _compact_kernel(base_ptr, loff_ptr, src_ptr, dst_ptr, s_blk, s_tok, s_a, s_b, s_c, NB, NC, INNER,
-                        block_size, L: tl.constexpr, LP: tl.constexpr, BLOCK: tl.constexpr):
-        # One program = one request x layer x element range of every slot: load the
-        # whole [L, BLOCK] source tile, barrier, then store (overlap-safe, one round trip).
+    def _compact_kernel(base_ptr, loff_ptr, src_ptr, dst_ptr, bt_ptr, s_bt, start_ptr, rows_ptr, s_rows,
+                        nacc_ptr, s_blk, s_tok, s_a, s_b, s_c, NB, NC, INNER, block_size,
+                        L: tl.constexpr, LP: tl.constexpr, BLOCK: tl.constexpr, FROM_ROWS: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         lay = tl.program_id(1)
         e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -93,8 +92,21 @@ if HAS_TRITON:
         base = base_ptr + tl.load(loff_ptr + lay)
         jj = tl.arange(0, LP)
         jm = jj < L
-        src = tl.load(src_ptr + n * L + jj, mask=jm, other=-1)
-        dst = tl.load(dst_ptr + n * L + jj, mask=jm, other=-1)
+        if FROM_ROWS:  # compaction_slots, fused: slots from the block table
+            j = (jj + 1).to(tl.int64)
+            rows = tl.load(rows_ptr + n * s_rows + j, mask=jm, other=-1).to(tl.int64)
+            nacc = tl.load(nacc_ptr + n).to(tl.int64)
+            start = tl.load(start_ptr + n).to(tl.int64)
+            move = jm & (j <= nacc) & (rows != j) & (rows >= 0)
+            ps = start + tl.maximum(rows, 0)
+            pd = start + j
+            bs_ = tl.load(bt_ptr + n * s_bt + ps // block_size, mask=move, other=0).to(tl.int64)
+            bd_ = tl.load(bt_ptr + n * s_bt + pd // block_size, mask=move, other=0).to(tl.int64)
+            src = tl.where(move, bs_ * block_size + ps % block_size, -1)
+            dst = tl.where(move, bd_ * block_size + pd % block_size, -1)
+        else:
+            src = tl.load(src_ptr + n * L + jj, mask=jm, other=-1)
+            dst = tl.load(dst_ptr + n * L + jj, mask=jm, other=-1)
         ok = (src >= 0)[:, None] & em[None, :]
         so = (src // block_size) * s_blk + (src % block_size) * s_tok
         do = (dst // block_size) * s_blk + (dst % block_size) * s_tok
@@ -104,16 +116,20 @@ if HAS_TRITON:
 
 
 _LOFF: dict = {}
+_PLANS: dict = {}  # id(kv_caches list) -> (the list, its layer groups)
 
 
-def _compact_triton(kv_caches, src, dst, block_size, layout):
+def _groups(kv_caches, layout):
+    """Layers grouped by view shape/strides/dtype: (base view, layer offsets, shape, strides)
+    per group.  Cached per list object (a runner passes the same list every step)."""
+    hit = _PLANS.get((id(kv_caches), layout))
+    if hit is not None and hit[0] is kv_caches and hit[1] == len(kv_caches):
+        return hit[2]
     groups: dict = {}
     for kv in kv_caches:
         tv = token_view(kv, layout)
         groups.setdefault((tuple(tv.shape), tv.stride(), kv.dtype, kv.device), []).append(tv)
-    n, L = src.shape
-    src = src.contiguous()
-    dst = dst.contiguous()
+    plan = []
     for (shape, st, dtype, dev), views in groups.items():
         base = views[0]
         isz = base.element_size()
@@ -126,23 +142,48 @@ def _compact_triton(kv_caches, src, dst, block_size, layout):
         loff = _LOFF.get(key)
         if loff is None:  # cached: no host-to-device copy inside CUDA-graph capture
             loff = _LOFF[key] = torch.tensor(offs, dtype=torch.int64, device=dev)
+        plan.append((base, loff, len(views), shape, st))
+    if isinstance(kv_caches, list):
+        _PLANS[(id(kv_caches), layout)] = (kv_caches, len(kv_caches), plan)
+    return plan
+
+
+def _compact_triton(kv_caches, src, dst, block_size, layout, rows_args=None):
+    """src/dst [N, L] slots, or rows_args = (block_table, start, accepted_rows, num_accepted)
+    with the slots computed in the kernel (src/dst then None)."""
+    if rows_args is None:
+        n, L = src.shape
+        src = src.contiguous()
+        dst = dst.contiguous()
+        bt = start = rows = nacc = src  # unused
+        s_bt = s_rows = 0
+    else:
+        bt, start, rows, nacc = rows_args
+        n, L = rows.shape[0], rows.shape[1] - 1
+        assert rows.stride(1) == 1 and bt.stride(1) == 1
+        src = dst = rows  # unused
+        s_bt, s_rows = bt.stride(0), rows.stride(0)
+    for base, loff, nl, shape, st in _groups(kv_caches, layout):
         inner = shape[2] * shape[3] * shape[4]
         lp = max(2, next_pow2(L))
         block = max(2, min(next_pow2(inner), 4096 // lp))
-        grid = (n, len(views), triton.cdiv(inner, block))
-        _compact_kernel[grid](base, loff, src, dst, st[0], st[1], st[2], st[3], st[4], shape[3], shape[4], inner,
-                              block_size, L=L, LP=lp, BLOCK=block, num_warps=4)
+        grid = (n, nl, triton.cdiv(inner, block))
+        _compact_kernel[grid](base, loff, src, dst, bt, s_bt, start, rows, s_rows, nacc,
+                              st[0], st[1], st[2], st[3], st[4], shape[3], shape[4], inner,
+                              block_size, L=L, LP=lp, BLOCK=block, FROM_ROWS=rows_args is not None,
+                              num_warps=4)
     return kv_caches
 
 
 def compact_kv(kv_caches, block_table, block_size: int, start_positions, accepted_rows, num_accepted,
                layout: str, backend: str = "auto"):
     """Move accepted rows' K/V in place for every layer in kv_caches (list of tensors)."""
-    src, dst = compaction_slots(block_table, block_size, start_positions, accepted_rows, num_accepted)
     if not kv_caches:
         return kv_caches
-    if use_triton(kv_caches[0], backend):
-        return _compact_triton(kv_caches, src, dst, block_size, layout)
+    if use_triton(kv_caches[0], backend):  # one launch per layer group, slots computed inside
+        return _compact_triton(kv_caches, None, None, block_size, layout,
+                               (block_table, start_positions, accepted_rows, num_accepted))
+    src, dst = compaction_slots(block_table, block_size, start_positions, accepted_rows, num_accepted)
     start = start_positions.long()
     root = block_table.long().gather(1, (start // block_size).unsqueeze(1)).squeeze(1) * block_size
     return compact_kv_slots_torch(kv_caches, src, dst, block_size, layout, root + start % block_size)

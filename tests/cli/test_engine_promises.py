@@ -140,6 +140,16 @@ def test_hand_edited_file_is_drift(tree, cli):
     assert cli("status", "--json", *sp(site), check=4).json["status"] == "drifted"
 
 
+def test_drift_reported_before_any_codemod(tree, cli):
+    """An edit that also removes a transform's anchor is still reported as drift (exit 4,
+    per-file), not as a transform failure."""
+    site = tree("vllm", "0.20.2")
+    p = site / RUNNER
+    p.write_text(p.read_text().replace('dflash_config.get("target_layer_ids")', "None"))
+    r = cli("apply", "--json", *ONLY, *sp(site), check=4)
+    assert [d["path"] for d in r.json["error"]["details"]] == [RUNNER]
+
+
 def test_drift_after_patch_blocks_revert_unless_forced(tree, cli):
     site = tree("vllm", "0.20.2")
     cli("apply", *ONLY, "--no-verify", *sp(site), check=0)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import HAS_CUDA, payload_module
+from .conftest import HAS_CUDA, INTERPRET, payload_module
 
 
 def _runtime_module(monkeypatch):
@@ -32,8 +32,13 @@ def _runtime_module(monkeypatch):
     return payload_module("cuda_runtime")
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if HAS_CUDA else []))
-def test_one_verify_step(dev, monkeypatch):
+def test_one_verify_step(dev, fused, monkeypatch):
+    """fused: the Triton bookkeeping of cuda_step.py (CUDA, or the CPU interpreter);
+    otherwise its torch reference in cuda_runtime.py.  Same assertions for both."""
+    if fused and dev == "cpu" and not INTERPRET:
+        pytest.skip("the fused kernels on the CPU need TRITON_INTERPRET=1")
     cr = _runtime_module(monkeypatch)
     core = payload_module("core")
     B, L, V, H, BS = 6, 3, 16, 4, 4
@@ -74,6 +79,7 @@ def test_one_verify_step(dev, monkeypatch):
     assert isinstance(rt, cr.CudaDDTreeRuntime) == (dev == "cuda")
     if dev == "cpu":  # exercise the CUDA runtime's logic on the CPU too
         rt = cr.CudaDDTreeRuntime(runner)
+    rt.fused = fused
     rt.store_trees(["x", "a"], tree)
     a_tok = tree.tokens[1].tolist()
     b_tok = [3, 4, 5]
@@ -143,3 +149,12 @@ def test_one_verify_step(dev, monkeypatch):
     # a step without drafts clears the static tree flags
     rt.prepare(SimpleNamespace(scheduled_spec_decode_tokens={}), t)
     assert rt.state.has_tree.sum() == 0 and rt.step is None
+
+    # drafts but no stored tree: every request is verified as a chain
+    rt.prepare(SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2], "b": [3]}), t)
+    assert rt.state.has_tree.sum() == 0
+    assert rt.step.tree.parents.cpu().tolist() == [[-1, 0], [-1, 0], [-1, 0]]
+    assert rt.step.tree.num_nodes.cpu().tolist() == [2, 1, 0]
+    assert torch.equal(positions[:t], lin)
+    rt.commit(aux)
+    assert torch.equal(positions[:t], lin) and rt.step is None

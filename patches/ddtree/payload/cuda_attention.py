@@ -28,6 +28,9 @@ cache layout.
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from .core._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
@@ -35,6 +38,23 @@ from .core._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
 
 SPLIT_MIN_PROGRAMS = 132  # H100/H200 SM count: fewer programs than this -> split the keys
 MAX_SPLITS = 8
+
+# Launch configs by the step's query rows (num_reqs * max_query_len): the first entry
+# whose bound is >= rows wins; None fields keep the defaults (block_q = 64 // G query
+# tokens per program, 64-key tiles, automatic key splits, 4 warps, Triton's stages).
+# VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table (bench/gpu/attn_sweep.py
+# writes one from measurements).
+TUNING: list[dict] = []
+if os.environ.get("VLLM_DDTREE_ATTN_TUNING"):
+    with open(os.environ["VLLM_DDTREE_ATTN_TUNING"]) as _f:
+        TUNING = json.load(_f)
+
+
+def pick_config(rows: int) -> dict:
+    for t in TUNING:
+        if rows <= t["max_rows"]:
+            return t
+    return {}
 
 
 class TreeState:
@@ -203,7 +223,8 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_start_loc,
            has_tree, mask, scale: float, max_query_len: int, num_kv_heads: int,
-           block_n: int = 64, splits: int | None = None) -> torch.Tensor:
+           block_n: int | None = None, splits: int | None = None, block_q: int | None = None,
+           num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """query/output [T, Hq, D] (or [T, Hq*D]); key/value_cache [blocks, block_size,
     Hkv, D]; block_table [R, max_blocks]; seq_lens [R]; query_start_loc [R + 1];
     has_tree [>= R] int32; mask [>= R, rows, rows] int8 (last dim contiguous).
@@ -217,7 +238,13 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
     q = _heads(query, hq)
     o = _heads(output, hq)
     g = hq // num_kv_heads
-    block_q = max(1, 64 // g)
+    cfg = pick_config(num_reqs * max(int(max_query_len), 1))
+    block_q = block_q or cfg.get("block_q") or max(1, 64 // g)
+    block_n = block_n or cfg.get("block_n") or 64
+    splits = splits or cfg.get("splits") or None
+    num_warps = num_warps or cfg.get("num_warps") or 4
+    num_stages = num_stages or cfg.get("num_stages")
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     m = max(16, next_pow2(block_q * g))
     dp = max(16, next_pow2(d))
     nqb = triton.cdiv(max(int(max_query_len), 1), block_q)
@@ -243,7 +270,7 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
         key_cache.shape[1], nqb, num_kv_heads,
         G=g, BLOCK_Q=block_q, M=m, BLOCK_N=block_n, D=d, DP=dp,
         IEEE=query.dtype == torch.float32, USE_FOR=not interpreting(), S=splits,
-        num_warps=4)
+        num_warps=num_warps, **extra)
     if splits > 1:
         _combine[(num_reqs, nqb, num_kv_heads)](
             o, query_start_loc, pm, pl, pacc, o.stride(0), o.stride(1), nqb, num_kv_heads,

@@ -21,7 +21,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import cuda_step
 from .core import DDTree, compact_kv
+from .core._triton import HAS_TRITON, interpreting
 from .cuda_attention import TreeState
 from .runtime import DDTreeRuntime
 
@@ -36,11 +38,13 @@ def make_runtime(runner):
 class CudaStep:
     """What the sampler and commit() need of this step's trees."""
 
-    def __init__(self, num_drafts, tree, roots, fix):
+    def __init__(self, num_drafts, tree, pack, n, has_trees, fix=None):
         self.num_drafts = num_drafts  # list[int] per batch row (the sampler checks it)
         self.tree = tree  # DDTree [n, dmax]: scheduled tokens, parents, num_nodes
-        self.roots = roots  # [n] int64 device: token row of each root, -1 = no drafts
-        self.fix = fix  # (tok_rows, root_rows, j) of the rows given tree positions
+        self.pack = pack  # device int64 [nd | prev | roots], see cuda_step.py
+        self.roots = pack[2 * n: 3 * n]  # token row of each root, -1 = no drafts
+        self.has_trees = has_trees  # any request verified with a stored tree
+        self.fix = fix  # torch path: (tok_rows, root_rows, j) of the tree-position rows
 
 
 class CudaDDTreeRuntime(DDTreeRuntime):
@@ -51,11 +55,19 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         self.state = TreeState(self.max_reqs, self.budget, dev)
         self._latest = None  # ({req_id: row}, DDTree) from the proposer's last call
         self._dirty = False
-        cap = 2 * self.max_reqs + 6 * self.max_reqs * (self.budget + 1) + 16
+        cap = 3 * self.max_reqs + self.max_reqs * max(self.budget, 1) + 16
         pin = torch.device(dev).type == "cuda"
         self._host = torch.zeros(cap, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(cap, dtype=torch.int64, device=dev)
+        # fused Triton bookkeeping (cuda_step.py) on CUDA; the torch path elsewhere
+        self.fused = HAS_TRITON and (torch.device(dev).type == "cuda" or interpreting())
+        width = self.max_reqs * max(self.budget, 1)
+        self._wpar = torch.zeros(width, dtype=torch.int64, device=dev)
+        self._src = torch.zeros(width, dtype=torch.int64, device=dev)
+        self._dst = torch.zeros(width, dtype=torch.int64, device=dev)
+        self._start = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
+        self._neff = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
         self._caches = None
         self._block_size = None
 
@@ -79,6 +91,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         lists = [spec.get(rid, ()) for rid in req_ids]
         nd = np.fromiter((len(x) for x in lists), dtype=np.int64, count=n)
         dmax = int(nd.max())
+        width = max(dmax, 1)
         qsl = np.asarray(runner.query_start_loc.np[1: n + 1], dtype=np.int64)
         roots = np.where(nd > 0, qsl - 1 - nd, -1)
         index_of, tree = latest if latest is not None else ({}, None)
@@ -87,49 +100,61 @@ class CudaDDTreeRuntime(DDTreeRuntime):
                                 for rid, d in zip(req_ids, nd)), dtype=np.int64, count=n)
         else:
             prev = np.full(n, -1, dtype=np.int64)
-        hi = np.nonzero(prev >= 0)[0]
-        d_h = nd[hi]
-        m = int(d_h.sum())
-        rep = np.repeat(np.arange(len(hi)), d_h)
-        j = np.arange(m, dtype=np.int64) - np.repeat(np.cumsum(d_h) - d_h, d_h)
-        tok = np.zeros((n, max(dmax, 1)), dtype=np.int64)
+        # host -> device in one pinned copy: [nd | prev | roots | tokens]
+        h = self._host_np
+        h[:n], h[n: 2 * n], h[2 * n: 3 * n] = nd, prev, roots
+        tok = h[3 * n: 3 * n + n * width].reshape(n, width)
+        tok.fill(0)
         for i, x in enumerate(lists):
             if len(x):
                 tok[i, : len(x)] = x
-        has = np.zeros(self.max_reqs, dtype=np.int64)
-        has[hi] = 1
-        parts = [has, tok.reshape(-1), nd, prev, roots, hi.astype(np.int64), prev[hi],
-                 roots[hi][rep] + 1 + j, roots[hi][rep], prev[hi][rep], j]
-        sizes = [p.size for p in parts]
-        total = sum(sizes)
-        np.concatenate(parts, out=self._host_np[:total])
+        total = 3 * n + n * width
         dev = self._dev[:total]
         dev.copy_(self._host[:total], non_blocking=True)
-        views = list(torch.split(dev, sizes))
-        (has_d, tok_d, nd_d, prev_d, roots_d, hi_d, prev_hi_d, tok_rows, root_rows,
-         prev_rows, j_d) = views
-        tok_d = tok_d.view(n, -1)
-        st = self.state
-        st.has_tree.copy_(has_d)
-        self._dirty = True
+        pack = dev[: 3 * n]
+        tok_d = dev[3 * n:].view(n, width)
+        with_tree = int((prev >= 0).sum())
         fix = None
-        if m:
-            pos = runner.positions
-            pos[tok_rows] = pos[root_rows] + tree.depths[prev_rows, j_d]
-            st.mask[hi_d] = tree.ancestor_mask[prev_hi_d].view(torch.int8)
-            fix = (tok_rows, root_rows, j_d)
-        width = tok_d.shape[1]
-        chain = torch.arange(-1, width - 1, device=dev.device).expand(n, width)
-        if tree is not None and len(hi):
-            par_t = tree.parents[prev_d.clamp(min=0), :width]
-            parents = torch.where((prev_d >= 0).unsqueeze(1), par_t, chain)
+        if self.fused:
+            parents = self._wpar[: n * width].view(n, width)
+            cuda_step.prepare(pack, n, width, tree if with_tree else None, runner.positions,
+                              self.state.has_tree, self.state.mask, parents)
         else:
-            parents = chain
-        depth = self.depth if len(hi) == int((nd > 0).sum()) else max(self.depth, dmax)
-        walk_tree = DDTree(tokens=tok_d, parents=parents, depths=None, num_nodes=nd_d,
+            parents, fix = self._prepare_torch(pack, n, width, nd, prev, roots, tree)
+        self._dirty = True
+        depth = self.depth if with_tree == int((nd > 0).sum()) else max(self.depth, dmax)
+        walk_tree = DDTree(tokens=tok_d, parents=parents, depths=None, num_nodes=pack[:n],
                            scores=None, ancestor_mask=None, position_offsets=None,
                            max_depth=max(depth, 1), max_budget=width)
-        self.step = CudaStep(nd.tolist(), walk_tree, roots_d, fix)
+        self.step = CudaStep(nd.tolist(), walk_tree, pack, n, with_tree > 0, fix)
+
+    def _prepare_torch(self, pack, n, width, nd, prev, roots, tree):
+        """Reference of cuda_step.prepare (torch indexing; used where Triton is not)."""
+        dev = pack.device
+        st = self.state
+        has = torch.zeros(self.max_reqs, dtype=st.has_tree.dtype, device=dev)
+        has[:n] = (pack[n: 2 * n] >= 0).to(has.dtype)
+        st.has_tree.copy_(has)
+        hi = np.nonzero(prev >= 0)[0]
+        d_h = nd[hi]
+        m = int(d_h.sum())
+        fix = None
+        if m:
+            rep = np.repeat(np.arange(len(hi)), d_h)
+            j = np.arange(m, dtype=np.int64) - np.repeat(np.cumsum(d_h) - d_h, d_h)
+            t = lambda a: torch.as_tensor(a, dtype=torch.int64).to(dev)  # noqa: E731
+            tok_rows, root_rows = t(roots[hi][rep] + 1 + j), t(roots[hi][rep])
+            prev_rows, j_d = t(prev[hi][rep]), t(j)
+            pos = self.runner.positions
+            pos[tok_rows] = pos[root_rows] + tree.depths[prev_rows, j_d]
+            st.mask[t(hi)] = tree.ancestor_mask[t(prev[hi])].view(torch.int8)
+            fix = (tok_rows, root_rows, j_d)
+        chain = torch.arange(-1, width - 1, device=dev).expand(n, width)
+        if len(hi):
+            prev_d = pack[n: 2 * n]
+            par_t = tree.parents[prev_d.clamp(min=0), :width]
+            return torch.where((prev_d >= 0).unsqueeze(1), par_t, chain), fix
+        return chain, fix
 
     def attach(self, attn_metadata) -> None:
         """Mark the target's (causal) metadata: its layers run the tree kernel."""
@@ -184,6 +209,33 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         if step is None:
             return
         runner = self.runner
+        if not self.fused:
+            return self._commit_torch(step, walk, aux_hidden_states)
+        pack = step.pack
+        n = pack.shape[0] // 3
+        if walk is None:  # positions back only
+            rows = torch.zeros(n, 2, dtype=torch.int64, device=pack.device)
+            nacc = rows[:, 0]
+        else:
+            rows, nacc = walk.accepted_rows, walk.num_accepted
+        w = rows.shape[1] - 1
+        src = self._src[: n * w].view(n, w)
+        dst = self._dst[: n * w].view(n, w)
+        start, neff = self._start[:n], self._neff[:n]
+        cuda_step.commit(pack, n, rows, nacc, runner.positions, runner.input_ids.gpu, src,
+                         dst, start, neff)
+        if walk is None:
+            return
+        for h in aux_hidden_states or ():  # the drafter's context: path rows first
+            cuda_step.move_rows(h, src, dst)
+        block_table = runner.input_batch.block_table[0].get_device_tensor(n)
+        compact_kv(self._target_caches(), block_table, self._block_size, start, rows, neff,
+                   "kv_outer")
+        self._observe(step, walk)
+
+    def _commit_torch(self, step, walk, aux_hidden_states) -> None:
+        """Reference of the fused commit (torch indexing)."""
+        runner = self.runner
         pos = runner.positions
         if step.fix is not None:  # back to linear positions (the drafter reads them)
             tok_rows, root_rows, j = step.fix
@@ -199,7 +251,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         ok = (jj.unsqueeze(0) <= nacc.unsqueeze(1)) & valid.unsqueeze(1)
         src = torch.where(ok, roots.unsqueeze(1) + rows[:, 1:], 0).reshape(-1)
         dst = torch.where(ok, roots.unsqueeze(1) + jj.unsqueeze(0), 0).reshape(-1)
-        for h in aux_hidden_states or ():  # the drafter's context: path rows first
+        for h in aux_hidden_states or ():
             h[dst] = h[src]
         ids = runner.input_ids.gpu
         ids[dst] = ids[src]
@@ -209,6 +261,9 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         block_table = runner.input_batch.block_table[0].get_device_tensor(n)
         compact_kv(caches, block_table, self._block_size, start, rows,
                    torch.where(valid, nacc, 0), "kv_outer")
+        self._observe(step, walk)
+
+    def _observe(self, step, walk) -> None:
         if self.stats.path is not None:
             trees = [i for i, d in enumerate(step.num_drafts) if d]
             self.stats.observe(step.tree, walk.accepted_rows, walk.num_accepted, trees)

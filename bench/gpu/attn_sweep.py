@@ -1,0 +1,155 @@
+"""Launch-config sweep of the tree-attention kernel at verify shapes (Qwen3-8B attention:
+32 query / 8 KV heads, head_dim 128, bf16, block 16, context 512, real DDTree masks),
+per layer, CUDA-graph replay.  Every config's output is checked against the torch
+oracle (bf16 tol 8e-3) before it is timed.  Writes OUT/attn_sweep.json (all timings)
+and OUT/attn_tuning.json (the table cuda_attention.TUNING reads through
+VLLM_DDTREE_ATTN_TUNING), and prints the picks next to the default config.
+
+    python bench/gpu/attn_sweep.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+
+SHAPES = [(1, 64), (1, 16), (4, 64), (1, 256), (16, 64)]  # (N, B)
+BUCKETS = [(96, [(1, 64), (1, 16)]), (512, [(4, 64), (1, 256)]), (2048, [(16, 64)])]
+STAGE1 = [dict(block_q=bq, block_n=bn, splits=s)
+          for bq, bn, s in itertools.product((8, 16, 32), (32, 64), (1, 4, 8, 16))]
+STAGE2 = [dict(num_warps=w, num_stages=st) for w, st in ((4, 1), (4, 2), (4, 3), (8, 2), (8, 3))]
+
+
+def main():
+    out_dir = sys.argv[1]
+    budget_s = float(os.environ.get("SWEEP_BUDGET_S", "200"))
+    import triton.testing as tt
+
+    import vllm.v1.spec_decode.ddtree.cuda_attention as ca
+    from vllm.v1.spec_decode.ddtree.core import build_tree
+
+    dev = "cuda"
+    hq, hkv, d, bs, ctx = 32, 8, 128, 16, 512
+    dt = torch.bfloat16
+    if os.environ.get("SWEEP_SMOKE"):  # CPU smoke run of this script (TRITON_INTERPRET=1)
+        dev, hq, hkv, d, ctx, dt = "cpu", 4, 1, 16, 20, torch.float16
+        global SHAPES, STAGE1, BUCKETS
+        SHAPES = [(1, 8), (2, 8)]
+        BUCKETS = [(16, SHAPES)]
+        STAGE1 = STAGE1[:3]
+    t0 = time.time()
+    cases, res = {}, []
+    for n, b in SHAPES:
+        g = torch.Generator(device=dev).manual_seed(n * 1000 + b)
+        q_len, seq = b + 1, ctx + b + 1
+        nblk = (seq + bs - 1) // bs
+        kv = torch.randn(2, n * nblk + 1, bs, hkv, d, device=dev, dtype=dt,
+                         generator=g)
+        bt = torch.randperm(n * nblk, device=dev, generator=g).to(torch.int32).view(n, nblk)
+        q = torch.randn(n * q_len, hq, d, device=dev, dtype=dt, generator=g)
+        qsl = torch.arange(0, n + 1, device=dev, dtype=torch.int32) * q_len
+        sl = torch.full((n,), seq, device=dev, dtype=torch.int32)
+        st = ca.TreeState(n, b, dev)
+        tree = build_tree(torch.randn(n, 15, 4096, device=dev, generator=g) * 3, b, b)
+        st.mask.copy_(tree.ancestor_mask.view(torch.int8))
+        st.has_tree.fill_(1)
+        ref = ca.reference_tree_attention(q, kv[0], kv[1], bt, sl, qsl, st.has_tree, st.mask,
+                                          d ** -0.5, hkv)
+        cases[(n, b)] = (q, kv, bt, qsl, sl, st, ref, q_len)
+
+    def bench(n, b, cfg):
+        q, kv, bt, qsl, sl, st, ref, q_len = cases[(n, b)]
+        out = torch.empty_like(q)
+
+        def fn():
+            ca.launch(q, kv[0], kv[1], out, bt, sl, qsl, st.has_tree, st.mask, d ** -0.5,
+                      q_len, hkv, **cfg)
+
+        try:
+            out.fill_(float("nan"))
+            fn()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            err = (out.float() - ref).abs().max().item()
+            if not err <= 8e-3:
+                return None, f"wrong (err {err:.3g})"
+            if dev == "cpu":
+                t = time.perf_counter()
+                fn()
+                return (time.perf_counter() - t) * 1e6, None
+            return tt.do_bench_cudagraph(fn, rep=20) * 1e3, None
+        except Exception as e:  # e.g. out of shared memory
+            if os.environ.get("SWEEP_SMOKE"):
+                raise
+            return None, type(e).__name__
+
+    def run(n, b, cfg, stage):
+        us, why = bench(n, b, cfg)
+        row = {"N": n, "B": b, "stage": stage, **cfg, "us": us, "error": why}
+        res.append(row)
+        return us
+
+    default = {}
+    for n, b in SHAPES:
+        run(n, b, default, "default")
+    for stage, grid in (("1", STAGE1), ("2", None)):
+        for n, b in SHAPES:
+            if time.time() - t0 > budget_s:
+                break
+            if grid is None:  # warps/stages around the two best of stage 1
+                best = sorted((r for r in res if (r["N"], r["B"]) == (n, b) and r["us"]
+                               and r["stage"] == "1"), key=lambda r: r["us"])[:2]
+                grid = []
+                for r in best:
+                    base = {k: r[k] for k in ("block_q", "block_n", "splits")}
+                    grid += [dict(base, **x) for x in STAGE2]
+                for cfg in grid:
+                    run(n, b, cfg, stage)
+                grid = None
+                continue
+            for cfg in grid:
+                run(n, b, cfg, stage)
+    keys = ("block_q", "block_n", "splits", "num_warps", "num_stages")
+
+    def score(cfg, shapes):  # sum of time / best time per shape (None: unusable)
+        tot = 0.0
+        for s in shapes:
+            rows = [r for r in res if (r["N"], r["B"]) == s and r["us"]]
+            mine = [r["us"] for r in rows if all(r.get(k) == cfg.get(k) for k in keys)]
+            if not mine:
+                return None
+            tot += min(mine) / min(r["us"] for r in rows)
+        return tot
+
+    tuning, summary = [], []
+    for bound, shapes in BUCKETS:
+        cands = {tuple(r.get(k) for k in keys) for r in res if r["us"] and r["stage"] != "default"}
+        scored = [(score(dict(zip(keys, c)), shapes), c) for c in cands]
+        scored = [x for x in scored if x[0] is not None]
+        if not scored or not all(any((r["N"], r["B"]) == s for r in res) for s in shapes):
+            continue
+        _, c = min(scored)
+        pick = {k: v for k, v in zip(keys, c) if v is not None}
+        tuning.append({"max_rows": bound, **pick})
+        for s in shapes:
+            dflt = [r["us"] for r in res if (r["N"], r["B"]) == s and r["stage"] == "default"]
+            mine = [r["us"] for r in res if (r["N"], r["B"]) == s and r["us"]
+                    and all(r.get(k) == pick.get(k) for k in keys)]
+            summary.append({"N": s[0], "B": s[1], "default_us": dflt[0] if dflt else None,
+                            "tuned_us": min(mine), **pick})
+    for row in summary:
+        print(json.dumps(row), flush=True)
+    print(f"sweep: {len(res)} runs in {time.time() - t0:.0f} s", flush=True)
+    with open(os.path.join(out_dir, "attn_sweep.json"), "w") as f:
+        json.dump({"runs": res, "summary": summary}, f, indent=1)
+    with open(os.path.join(out_dir, "attn_tuning.json"), "w") as f:
+        json.dump(tuning, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
