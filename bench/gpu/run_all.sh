@@ -20,11 +20,12 @@ start=$(date +%s)
 # the payload travels with the working tree: refresh it in the installed bundle (a payload
 # fix then needs no new bundle); a carried .gpu-patch/ (patched upstream files, same
 # layout as site-packages) is laid over it too
+if [ -d "$ROOT/.gpu-patch" ]; then cp -r "$ROOT/.gpu-patch/." /tmp/vb/vllm_slim/; fi
 DDT=/tmp/vb/vllm_slim/vllm/v1/spec_decode/ddtree
-if [ -d "$DDT" ]; then
+if [ -d /tmp/vb/vllm_slim/vllm ]; then
+  mkdir -p "$DDT/core"
   cp "$ROOT"/patches/ddtree/payload/*.py "$DDT/" && cp "$ROOT"/ddtree_patcher/core/*.py "$DDT/core/"
 fi
-if [ -d "$ROOT/.gpu-patch" ]; then cp -r "$ROOT/.gpu-patch/." /tmp/vb/vllm_slim/; fi
 find /tmp/vb/vllm_slim/vllm -name __pycache__ -path "*spec_decode*" -prune -exec rm -rf {} + 2>/dev/null
 stamp() { echo "=== $(($(date +%s) - start))s $*"; }
 # DEADLINE: seconds from now by which everything (tar included) must be done

@@ -41,7 +41,7 @@ import common as C  # noqa: E402
 import torch  # noqa: E402
 
 BATCHES = [int(x) for x in os.environ.get("BENCH_BATCHES", "1,4,16,32").split(",")]
-E2E_BATCHES = [int(x) for x in os.environ.get("BENCH_E2E_BATCHES", "1,16").split(",")]
+E2E_BATCHES = [int(x) for x in os.environ.get("BENCH_E2E_BATCHES", "1,16").split(",") if x]
 PROMPT, NEW, E2E_NEW = 512, 32, 128
 PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
             "p90": [0.9, 0.05, 0.02]}
@@ -75,8 +75,8 @@ def engine(spec: dict):
     k = spec["k"]
     sizes = [n * (1 + k) for n in sorted(set(BATCHES + E2E_BATCHES))]
     kw = dict(model=f"{BASE}/target", load_format="dummy", skip_tokenizer_init=True,
-              dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=max(BATCHES),
-              max_num_batched_tokens=max(BATCHES) * PROMPT + 512,
+              dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=max(BATCHES + E2E_BATCHES),
+              max_num_batched_tokens=max(BATCHES + E2E_BATCHES) * PROMPT + 512,
               gpu_memory_utilization=0.3, attention_backend="FLASH_ATTN",
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   "cudagraph_capture_sizes": sizes})
@@ -266,8 +266,13 @@ def run_config(name, out_dir, res):
         C.log(name, "N", n, "step ms", s["step_ms"], "gpu", json.dumps(s["gpu_ms"]),
               "cpu", json.dumps(s["cpu_ms"]))
         C.dump(os.path.join(out_dir, "step_bench.json"), res)
+    if not E2E_BATCHES:
+        C.teardown(llm)
+        return
     perm = rewire_target(runner)
-    profiles = PROFILES if kind != "nospec" else {"-": None}
+    only = os.environ.get("BENCH_PROFILES")
+    profiles = {p: v for p, v in PROFILES.items() if not only or p in only.split(",")}
+    profiles = profiles if kind != "nospec" else {"-": None}
     for pname, probs in profiles.items():
         if probs is not None:
             use_synthetic(runner, kind, hooks, FastSynthetic(perm, probs))
