@@ -26,6 +26,7 @@ STAGE2 = [dict(num_warps=w, num_stages=st) for w, st in ((4, 1), (4, 2), (4, 3),
 
 
 def main():
+    global SHAPES, STAGE1, BUCKETS
     out_dir = sys.argv[1]
     budget_s = float(os.environ.get("SWEEP_BUDGET_S", "200"))
     import triton.testing as tt
@@ -38,10 +39,11 @@ def main():
     dt = torch.bfloat16
     if os.environ.get("SWEEP_SMOKE"):  # CPU smoke run of this script (TRITON_INTERPRET=1)
         dev, hq, hkv, d, ctx, dt = "cpu", 4, 1, 16, 20, torch.float16
-        global SHAPES, STAGE1, BUCKETS
         SHAPES = [(1, 8), (2, 8)]
         BUCKETS = [(16, SHAPES)]
         STAGE1 = STAGE1[:3]
+    if os.environ.get("SWEEP_SHAPES"):  # e.g. "4x64,16x64"
+        SHAPES = [tuple(int(v) for v in x.split("x")) for x in os.environ["SWEEP_SHAPES"].split(",")]
     t0 = time.time()
     cases, res = {}, []
     for n, b in SHAPES:
@@ -147,6 +149,10 @@ def main():
     print(f"sweep: {len(res)} runs in {time.time() - t0:.0f} s", flush=True)
     with open(os.path.join(out_dir, "attn_sweep.json"), "w") as f:
         json.dump({"runs": res, "summary": summary}, f, indent=1)
+    # buckets not measured here keep the built-in entries
+    done = {t["max_rows"] for t in tuning}
+    tuning = sorted(tuning + [t for t in ca.TUNING if t["max_rows"] not in done],
+                    key=lambda t: t["max_rows"])
     with open(os.path.join(out_dir, "attn_tuning.json"), "w") as f:
         json.dump(tuning, f, indent=1)
 

@@ -118,7 +118,9 @@ def test_one_verify_step(dev, fused, monkeypatch):
     assert toks[1, :3].tolist() == [3, 4, 9] and toks[1, 3:].eq(-1).all()
     assert toks[2, 0] == 2 and toks[2, 1:].eq(-1).all()
 
-    aux = [torch.arange(32, device=dev, dtype=torch.float32).unsqueeze(1).repeat(1, H)]
+    base = torch.arange(32, device=dev, dtype=torch.float32).unsqueeze(1)
+    # aux hidden states: several of one kind (one launch) and one of another width
+    aux = [base.repeat(1, H) + 100 * k for k in range(3)] + [base.repeat(1, 2 * H) + 300]
     kv_before = kv.clone()
     drafter_before = runner.compilation_config.static_forward_context[
         "drafter.layers.0.attn"].kv_cache.clone()
@@ -128,7 +130,8 @@ def test_one_verify_step(dev, fused, monkeypatch):
     want = list(range(32))
     for j in range(1, acc + 1):
         want[j] = rows_a[j]  # a's root is row 0
-    assert aux[0][:, 0].long().cpu().tolist() == want
+    for k, h in enumerate(aux):
+        assert (h - 100 * k).long().cpu().tolist() == [[w] * h.shape[1] for w in want]
     ids = runner.input_ids.gpu.cpu().tolist()
     assert ids[: acc + 1] == [100 + r for r in rows_a]
     # KV: position 10 + j of a now holds what position 10 + rows_a[j] held

@@ -40,11 +40,13 @@ SPLIT_MIN_PROGRAMS = 132  # H100/H200 SM count: fewer programs than this -> spli
 MAX_SPLITS = 8
 
 # Launch configs by the step's query rows (num_reqs * max_query_len): the first entry
-# whose bound is >= rows wins; None fields keep the defaults (block_q = 64 // G query
+# whose bound is >= rows wins; missing fields keep the defaults (block_q = 64 // G query
 # tokens per program, 64-key tiles, automatic key splits, 4 warps, Triton's stages).
 # VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table (bench/gpu/attn_sweep.py
 # writes one from measurements).
-TUNING: list[dict] = []
+TUNING: list[dict] = [  # H200, bench/gpu/attn_sweep.py (bench/RESULTS.md)
+    {"max_rows": 96, "block_q": 8, "block_n": 32, "splits": 8},
+]
 if os.environ.get("VLLM_DDTREE_ATTN_TUNING"):
     with open(os.environ["VLLM_DDTREE_ATTN_TUNING"]) as _f:
         TUNING = json.load(_f)

@@ -226,8 +226,8 @@ class CudaDDTreeRuntime(DDTreeRuntime):
                          dst, start, neff)
         if walk is None:
             return
-        for h in aux_hidden_states or ():  # the drafter's context: path rows first
-            cuda_step.move_rows(h, src, dst)
+        if aux_hidden_states:  # the drafter's context: path rows first
+            cuda_step.move_rows(list(aux_hidden_states), src, dst)
         block_table = runner.input_batch.block_table[0].get_device_tensor(n)
         compact_kv(self._target_caches(), block_table, self._block_size, start, rows, neff,
                    "kv_outer")

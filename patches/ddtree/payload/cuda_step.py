@@ -83,11 +83,29 @@ if HAS_TRITON:
         tl.store(IDS + dst, x, mask=ok)
 
     @triton.jit
-    def _move_rows_kernel(H, s_h, SRC, DST, D, L: tl.constexpr, BD: tl.constexpr):
-        # one program: one request's path x BD columns; ascending j never reads a row
-        # an earlier j wrote (src row of j >= j + 1 > every earlier dst row)
+    def _move_rows_kernel(H0, H1, H2, H3, H4, H5, H6, H7, s_h, SRC, DST, D,
+                          L: tl.constexpr, BD: tl.constexpr):
+        # one program: one request's path x BD columns of one of up to 8 tensors (same
+        # shape/dtype/strides); ascending j never reads a row an earlier j wrote (the
+        # src row of j is >= j + 1 > every earlier dst row)
         r = tl.program_id(0)
         c = tl.program_id(1) * BD + tl.arange(0, BD)
+        k = tl.program_id(2)
+        H = H0
+        if k == 1:
+            H = H1
+        elif k == 2:
+            H = H2
+        elif k == 3:
+            H = H3
+        elif k == 4:
+            H = H4
+        elif k == 5:
+            H = H5
+        elif k == 6:
+            H = H6
+        elif k == 7:
+            H = H7
         cm = c < D
         for j in range(L):
             s = tl.load(SRC + r * L + j)
@@ -122,11 +140,18 @@ def commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff):
                          start, neff, W=w, BW=next_pow2(max(w, 1)), num_warps=4)
 
 
-def move_rows(h, src, dst):
-    """h[dst] = h[src] for the -1-padded [n, W] path rows of commit (h: [T, D], rows
-    contiguous)."""
+def move_rows(hs, src, dst):
+    """h[dst] = h[src] for every h in hs ([T, D] tensors, rows contiguous) along the
+    -1-padded [n, W] path rows of commit: one launch per 8 tensors of one kind."""
     n, w = src.shape
-    d = h.shape[1]
-    bd = min(1024, next_pow2(d))
-    _move_rows_kernel[(n, triton.cdiv(d, bd))](h, h.stride(0), src, dst, d, L=w, BD=bd,
-                                              num_warps=4)
+    groups: dict = {}
+    for h in hs:
+        groups.setdefault((h.shape[1], h.stride(), h.dtype, h.device), []).append(h)
+    for (d, st, _, _), g in groups.items():
+        assert st[1] == 1
+        bd = min(1024, next_pow2(d))
+        for i in range(0, len(g), 8):
+            part = g[i: i + 8]
+            ptrs = part + [part[0]] * (8 - len(part))
+            _move_rows_kernel[(n, triton.cdiv(d, bd), len(part))](
+                *ptrs, st[0], src, dst, d, L=w, BD=bd, num_warps=4)
