@@ -2,7 +2,7 @@
 # The whole H200 session in one command (after install_remote.sh put the patched vLLM
 # 0.20.2 bundle in /tmp/vb).  Every stage has its own timeout and writes under $OUT,
 # so a stage that fails or runs out of time leaves the others' results.
-#   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests sweep eq kernel bench",
+#   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests sweep eq kernel bench repeat",
 #                                         BENCH_CONFIGS, T_TESTS, T_EQ, T_KERNEL, T_BENCH)
 set -u
 FINAL=${OUT:-/tmp/out}   # what comes back (few files): results.tgz + the two JSONs
@@ -58,6 +58,15 @@ for s in $STAGES; do
       timeout "$(left ${T_BENCH:-600})" python3 "$HERE/step_bench.py" "$OUT" $BENCH_CONFIGS \
         > "$OUT/bench_log.txt" 2>&1
       echo "rc=$?"; grep -E " N |e2e|FAILED|Error|engine" "$OUT/bench_log.txt" | cut -c1-330 | tail -60 ;;
+    repeat)  # alternating fresh processes: chain vs tree step time, R rounds
+      stamp repeat
+      for i in $(seq "${REPEATS:-3}"); do
+        for c in ${REPEAT_CONFIGS:-chain15 ddtree64}; do
+          BENCH_BATCHES=${REPEAT_BATCHES:-1} BENCH_E2E_BATCHES= timeout "$(left 150)" \
+            python3 "$HERE/step_bench.py" "$OUT/repeat/r$i" "$c" > "$OUT/repeat_r${i}_$c.txt" 2>&1
+          grep -E " N [0-9]+ step ms" "$OUT/repeat_r${i}_$c.txt" | cut -c1-60
+        done
+      done ;;
   esac
 done
 stamp done
