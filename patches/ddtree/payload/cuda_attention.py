@@ -46,6 +46,9 @@ MAX_SPLITS = 8
 # writes one from measurements).
 TUNING: list[dict] = [  # H200, bench/gpu/attn_sweep.py (bench/RESULTS.md)
     {"max_rows": 96, "block_q": 8, "block_n": 32, "splits": 8},
+    {"max_rows": 512, "block_q": 16, "block_n": 32, "splits": 4},
+    {"max_rows": 2048, "block_q": 16, "block_n": 32, "splits": 1, "num_warps": 4,
+     "num_stages": 2},
 ]
 if os.environ.get("VLLM_DDTREE_ATTN_TUNING"):
     with open(os.environ["VLLM_DDTREE_ATTN_TUNING"]) as _f:
