@@ -1,7 +1,8 @@
 """Markdown tables and PNG plots from the H200 run's JSON files.
 
     python bench/gpu/report.py RESULTS_DIR [PLOT_DIR]
-RESULTS_DIR holds step_bench.json, equality.json, kernel_bench.json (from run_all.sh).
+RESULTS_DIR holds step_bench.json, equality.json, kernel_bench.json (from run_all.sh) and
+optionally repeat/r*.json (the repeat stage: alternating fresh processes).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def step_tables(sb) -> str:
     batches = sorted({int(n) for k in names for n in sb[k]["steps"]})
     chain = sb.get("chain15", {}).get("steps", {})
     out.append("| config | N | step ms (median) | / chain15 | verify fwd | draft | tree build "
-               "| sample (walk) | commit | prepare (GPU / CPU) | tree machinery % |")
+               "| sample (walk) | commit (GPU / CPU) | prepare (GPU / CPU) | tree machinery % |")
     out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for k in names:
         for n in batches:
@@ -43,9 +44,34 @@ def step_tables(sb) -> str:
             out.append(f"| {k} | {n} | {fmt(s['step_ms'])} | {fmt(ratio)} | "
                        f"{fmt(g.get('verify_forward'))} | {fmt(g.get('draft'))} | "
                        f"{fmt(g.get('tree_build'))} | {fmt(g.get('sample'))} "
-                       f"({fmt(g.get('walk'), 3)}) | {fmt(g.get('commit'), 3)} | "
+                       f"({fmt(g.get('walk'), 3)}) | {fmt(g.get('commit'), 3)} / "
+                       f"{fmt(c.get('commit'), 3)} | "
                        f"{fmt(g.get('prepare'), 3)} / {fmt(c.get('prepare'), 3)} | "
                        f"{fmt(mach, 1)} |")
+    return "\n".join(out)
+
+
+def repeat_table(runs: list) -> str:
+    """Rounds of alternating fresh processes: step ms per config and the ratio to the
+    same round's chain15."""
+    names = [k for k in runs[0] if "steps" in runs[0][k]]
+    batches = sorted({int(n) for r in runs for k in names for n in r.get(k, {}).get("steps", {})})
+    out = ["| config | N | " + " | ".join(f"round {i + 1} ms (/ chain)" for i in range(len(runs)))
+           + " | median ms | median ratio |",
+           "| --- | ---: |" + " ---: |" * (len(runs) + 2)]
+    for k in names:
+        for n in batches:
+            ms, ratios = [], []
+            for r in runs:
+                s = r.get(k, {}).get("steps", {}).get(str(n), {}).get("step_ms")
+                c = r.get("chain15", {}).get("steps", {}).get(str(n), {}).get("step_ms")
+                ms.append(s)
+                ratios.append(s / c if s and c else None)
+            ok = sorted(x for x in ms if x)
+            okr = sorted(x for x in ratios if x)
+            cells = " | ".join(f"{fmt(m)} ({fmt(q)})" for m, q in zip(ms, ratios))
+            out.append(f"| {k} | {n} | {cells} | {fmt(ok[len(ok) // 2] if ok else None)} | "
+                       f"{fmt(okr[len(okr) // 2] if okr else None)} |")
     return "\n".join(out)
 
 
@@ -156,6 +182,11 @@ def main():
                 print("\nERROR", k, v["error"][-800:])
         if plot_dir:
             plots(sb, plot_dir)
+    rep = sorted(os.listdir(os.path.join(d, "repeat"))) if os.path.isdir(
+        os.path.join(d, "repeat")) else []
+    if rep:
+        print("\n### Repeated step time (fresh process per config and round)\n")
+        print(repeat_table([load(os.path.join(d, "repeat"), f) for f in rep]))
     if kb:
         print("\n### Tree kernel vs FA3\n")
         print(kernel_table(kb))

@@ -1,9 +1,11 @@
 """DDTree runtime for CUDA runners (vLLM 0.20.x FA / FlexAttention): same hooks and
 step order as ``runtime.DDTreeRuntime`` (the CPU one), built for speed and CUDA graphs:
 
-* no host syncs: the per-step index arrays are built with numpy from what the host
-  already knows (scheduled draft lists, query_start_loc) and go to the device in one
-  pinned, non-blocking copy; everything else stays on the device;
+* no host syncs and few launches: per request, the host packs [drafts | stored-tree
+  index | root row | draft tokens] (numpy, from what it already knows) into one pinned,
+  non-blocking copy; ``cuda_step.prepare`` / ``cuda_step.commit`` do the rest in one
+  Triton launch each (``_prepare_torch`` / ``_commit_torch``: their torch reference,
+  used where Triton is not);
 * the tree attention reads its inputs from ``TreeState`` (fixed addresses), filled in
   ``prepare`` before the forward, so FULL CUDA graphs captured with the tree kernel
   replay correctly (``attach_dummy`` marks the capture runs' metadata);
