@@ -40,12 +40,11 @@ def make_runtime(runner):
 class CudaStep:
     """What the sampler and commit() need of this step's trees."""
 
-    def __init__(self, num_drafts, tree, pack, n, has_trees, fix=None):
+    def __init__(self, num_drafts, tree, pack, n, fix=None):
         self.num_drafts = num_drafts  # list[int] per batch row (the sampler checks it)
         self.tree = tree  # DDTree [n, dmax]: scheduled tokens, parents, num_nodes
         self.pack = pack  # device int64 [nd | prev | roots], see cuda_step.py
         self.roots = pack[2 * n: 3 * n]  # token row of each root, -1 = no drafts
-        self.has_trees = has_trees  # any request verified with a stored tree
         self.fix = fix  # torch path: (tok_rows, root_rows, j) of the tree-position rows
 
 
@@ -128,7 +127,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         walk_tree = DDTree(tokens=tok_d, parents=parents, depths=None, num_nodes=pack[:n],
                            scores=None, ancestor_mask=None, position_offsets=None,
                            max_depth=max(depth, 1), max_budget=width)
-        self.step = CudaStep(nd.tolist(), walk_tree, pack, n, with_tree > 0, fix)
+        self.step = CudaStep(nd.tolist(), walk_tree, pack, n, fix)
 
     def _prepare_torch(self, pack, n, width, nd, prev, roots, tree):
         """Reference of cuda_step.prepare (torch indexing; used where Triton is not)."""
