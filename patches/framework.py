@@ -11,12 +11,26 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import libcst as cst
-import libcst.matchers as m
+
+
+class _Lazy:
+    """A module imported on first use: libcst takes ~1 s to import, and status, list,
+    revert and recover never need it."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+cst = _Lazy("libcst")
+m = _Lazy("libcst.matchers")
 
 
 class AnchorError(Exception):

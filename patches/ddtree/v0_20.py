@@ -17,6 +17,8 @@ into the added package vllm/v1/spec_decode/ddtree).  What differs on 0.20.x:
   compaction in the paged cache), the CPU one elsewhere.
 """
 
+from __future__ import annotations
+
 from functools import partial
 
 from ..framework import Step, file_edit, insert_near

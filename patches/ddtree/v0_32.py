@@ -4,12 +4,12 @@ Each hook is a few lines that call into the added package vllm/v1/spec_decode/dd
 (payload/), so the upstream files change as little as possible.
 """
 
+from __future__ import annotations
+
 import ast
 from functools import partial
 
-import libcst as cst
-
-from ..framework import (Step, add_after_function, edit_statement, expr, file_edit,
+from ..framework import (Step, add_after_function, cst, edit_statement, expr, file_edit,
                          insert_at_start, insert_class_statements, insert_near)
 
 SPEC = "vllm/config/speculative.py"

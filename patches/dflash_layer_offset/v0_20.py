@@ -1,8 +1,8 @@
 """#40727 for vLLM 0.20.x (the detectors also recognise the upstream form in 0.22+)."""
 
-import libcst.matchers as m
+from __future__ import annotations
 
-from ..framework import FileEdit, edit_function, expr, function_code, replace_one
+from ..framework import FileEdit, edit_function, expr, function_code, m, replace_one
 
 RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 RUNNER_FN = "GPUModelRunner._get_eagle3_aux_layers_from_config"

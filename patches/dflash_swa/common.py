@@ -9,10 +9,8 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-import libcst as cst
-import libcst.matchers as m
-
-from ..framework import AddedFile, AnchorError, Step, edit_function, expr, file_edit
+from ..framework import (AddedFile, AnchorError, Step, cst, edit_function, expr, file_edit,
+                         m)
 
 PAYLOAD = Path(__file__).parent / "payload" / "dflash_swa.py"
 MODULE = "vllm.v1.spec_decode.dflash_swa"
@@ -23,11 +21,10 @@ PROPOSER = "vllm/v1/spec_decode/dflash.py"
 CLS = "DFlashProposer"
 TAG = "dflash-swa"
 
-_EMPTY = cst.Module([])
 
 
 def code_of(node: cst.CSTNode) -> str:
-    return _EMPTY.code_for_node(node)
+    return cst.Module([]).code_for_node(node)
 
 
 def stmts(code: str) -> list[cst.BaseStatement]:

@@ -9,12 +9,11 @@ in ``precompute_and_store_context_kv``, expose the per-layer names / causality, 
 hook DFlashProposer for per-group drafting (common.py).
 """
 
+from __future__ import annotations
+
 from functools import partial
 
-import libcst as cst
-import libcst.matchers as m
-
-from ..framework import AnchorError, Step, edit_function, file_edit, replace_one
+from ..framework import AnchorError, Step, cst, edit_function, file_edit, m, replace_one
 from .common import TAG, add_methods, insert_code, proposer_edit, replace_arg
 
 MODEL = "vllm/model_executor/models/qwen3_dflash.py"

@@ -7,6 +7,8 @@ _get_v1_model_runner_unsupported_features`` and the model's own check) because t
 the proposer per-group block tables, slot mappings and causality (common.py).
 """
 
+from __future__ import annotations
+
 from functools import partial
 
 from ..framework import Step, file_edit
