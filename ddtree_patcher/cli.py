@@ -14,7 +14,7 @@ import sys
 import click
 
 from . import __version__, engine, output
-from .errors import DRIFT, OK, PENDING, USAGE, VERIFY, PatchError
+from .errors import DRIFT, OK, PENDING, VERIFY, PatchError
 from .state import State
 from .target import check_version, find_target, record_mismatches
 from .versions import SUPPORTED

@@ -181,6 +181,11 @@ def _splice(source: str, node: ast.AST, edit, slow) -> str:
     return "".join(lines[:start]) + code + "".join(lines[end:])
 
 
+def code_of(node: cst.CSTNode) -> str:
+    """Source of one node (without the indentation of its block)."""
+    return cst.Module([]).code_for_node(node)
+
+
 def statements(code: str) -> list[cst.BaseStatement]:
     """Parse code into statements, keeping leading comments on the first one."""
     mod = cst.parse_module(textwrap.dedent(code))
@@ -198,11 +203,10 @@ def insert_near(source: str, qualname: str, match: Callable[[str], bool], code: 
 
     def edit(fn):
         hits = []
-        empty = cst.Module([])
 
         class Find(cst.CSTVisitor):
             def visit_SimpleStatementLine(self, node):
-                if match(empty.code_for_node(node)):
+                if match(code_of(node)):
                     hits.append(node)
 
         fn.visit(Find())
@@ -216,7 +220,16 @@ def insert_near(source: str, qualname: str, match: Callable[[str], bool], code: 
                     return updated
                 if replace:
                     return cst.FlattenSentinel(new)
-                return cst.FlattenSentinel(new + [updated] if before else [updated] + new)
+                if before:  # blank lines above the anchor go above the new code
+                    lines = list(updated.leading_lines)
+                    k = 0
+                    while k < len(lines) and lines[k].comment is None:
+                        k += 1
+                    first = new[0].with_changes(
+                        leading_lines=lines[:k] + list(new[0].leading_lines))
+                    return cst.FlattenSentinel(
+                        [first] + new[1:] + [updated.with_changes(leading_lines=lines[k:])])
+                return cst.FlattenSentinel([updated] + new)
 
         return fn.visit(Insert())
 

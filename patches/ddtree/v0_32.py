@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from functools import partial
 
-from ..framework import (Step, add_after_function, cst, edit_statement, expr, file_edit,
+from ..framework import (Step, add_after_function, cst, edit_statement, file_edit,
                          insert_at_start, insert_class_statements, insert_near)
 
 SPEC = "vllm/config/speculative.py"

@@ -4,13 +4,12 @@ the hooks go), and a libcst helper that swaps an ``if`` statement for other code
 
 from __future__ import annotations
 
-import textwrap
 from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from ..framework import (AddedFile, AnchorError, Step, cst, edit_function, expr, file_edit,
-                         m)
+from ..framework import (AddedFile, AnchorError, Step, code_of, cst, edit_function, expr,
+                         file_edit, insert_at_start, insert_near, m, statements)
 
 PAYLOAD = Path(__file__).parent / "payload" / "dflash_swa.py"
 MODULE = "vllm.v1.spec_decode.dflash_swa"
@@ -23,74 +22,21 @@ TAG = "dflash-swa"
 
 
 
-def code_of(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
-
-
-def stmts(code: str) -> list[cst.BaseStatement]:
-    """Statements of ``code``, its leading comment / blank lines kept on the first one
-    (libcst files them under the module header otherwise)."""
-    mod = cst.parse_module(textwrap.dedent(code))
-    body = list(mod.body)
-    if body and mod.header:
-        body[0] = body[0].with_changes(
-            leading_lines=list(mod.header) + list(body[0].leading_lines))
-    return body
-
-
 def insert_code(source: str, qualname: str, code: str, *,
                 match: Callable[[str], bool] | None = None, before: bool = False,
                 replace: bool = False) -> str:
     """Insert ``code`` at the start of function ``qualname`` (``match`` None) or
     after / before / instead of its one simple statement whose code satisfies
     ``match``."""
-    new = stmts(code)
-
-    def edit(fn: cst.FunctionDef) -> cst.FunctionDef:
-        if match is None:
-            body = list(fn.body.body)
-            at = 1 if body and m.matches(body[0], m.SimpleStatementLine(
-                body=[m.Expr(m.SimpleString() | m.ConcatenatedString())])) else 0
-            return fn.with_changes(body=fn.body.with_changes(
-                body=body[:at] + new + body[at:]))
-        hits = []
-
-        class Find(cst.CSTVisitor):
-            def visit_SimpleStatementLine(self, node):
-                if match(code_of(node)):
-                    hits.append(node)
-
-        fn.visit(Find())
-        if len(hits) != 1:
-            raise AnchorError(f"anchor statement in {qualname} found {len(hits)} times "
-                              "(need exactly 1)")
-
-        class Insert(cst.CSTTransformer):
-            def leave_SimpleStatementLine(self, original, updated):
-                if original is not hits[0]:
-                    return updated
-                if replace:
-                    return cst.FlattenSentinel(new)
-                if before:  # blank lines above the anchor go above the new code
-                    lines = list(updated.leading_lines)
-                    k = 0
-                    while k < len(lines) and lines[k].comment is None:
-                        k += 1
-                    first = new[0].with_changes(
-                        leading_lines=lines[:k] + list(new[0].leading_lines))
-                    return cst.FlattenSentinel(
-                        [first] + new[1:] + [updated.with_changes(leading_lines=lines[k:])])
-                return cst.FlattenSentinel([updated] + new)
-
-        return fn.visit(Insert())
-
-    return edit_function(source, qualname, edit)
+    if match is None:
+        return insert_at_start(source, qualname, code)
+    return insert_near(source, qualname, match, code, before=before, replace=replace)
 
 
 def add_methods(source: str, qualname: str, code: str) -> str:
     """Add functions right after ``qualname``, each after one blank line."""
     new = [s.with_changes(leading_lines=[cst.EmptyLine()] + [
-        ln for ln in s.leading_lines if ln.comment is not None]) for s in stmts(code)]
+        ln for ln in s.leading_lines if ln.comment is not None]) for s in statements(code)]
     return edit_function(source, qualname, lambda fn: cst.FlattenSentinel([fn] + new))
 
 
@@ -118,7 +64,7 @@ def replace_if(source: str, qualname: str, test: Callable[[str], bool], code: st
     """Swap the one ``if`` statement of ``qualname`` whose condition satisfies ``test``
     for ``code`` (may be empty), with ``note`` as comment lines above what follows.
     The ``if``'s own comment lines go with it; blank lines before it stay."""
-    new = stmts(code) if code.strip() else []
+    new = statements(code) if code.strip() else []
     comments = [cst.EmptyLine(comment=cst.Comment(f"# {line}".rstrip()))
                 for line in note.splitlines()]
 
