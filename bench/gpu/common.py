@@ -50,47 +50,21 @@ def qwen3_config(**sizes) -> dict:
 
 def write_target(path: str, cfg: dict, random_weights: bool, std: float = 0.05,
                  seed: int = 0) -> str:
-    from safetensors.torch import save_file
-
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     if not random_weights:
         return path
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-
-    def rnd(*s):
-        return (torch.randn(*s, generator=g, device="cuda") * std).to(torch.bfloat16).cpu()
-
-    def ones(n):
-        return torch.ones(n, dtype=torch.bfloat16)
-
-    t = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": ones(h),
-         "lm_head.weight": rnd(v, h)}
-    for li in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{li}."
-        t.update({p + "self_attn.q_proj.weight": rnd(nh * hd, h),
-                  p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
-                  p + "self_attn.v_proj.weight": rnd(nkv * hd, h),
-                  p + "self_attn.o_proj.weight": rnd(h, nh * hd),
-                  p + "self_attn.q_norm.weight": ones(hd),
-                  p + "self_attn.k_norm.weight": ones(hd),
-                  p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
-                  p + "mlp.down_proj.weight": rnd(h, i),
-                  p + "input_layernorm.weight": ones(h),
-                  p + "post_attention_layernorm.weight": ones(h)})
-    save_file({k: x.contiguous() for k, x in t.items()},
-              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return path
+    v, h = cfg["vocab_size"], cfg["hidden_size"]
+    return _save_random(path, cfg, cfg["num_hidden_layers"], "model.layers.", std, seed,
+                        lambda rnd, ones: {"model.embed_tokens.weight": rnd(v, h),
+                                           "model.norm.weight": ones(h),
+                                           "lm_head.weight": rnd(v, h)})
 
 
 def write_drafter(path: str, target_cfg: dict, layers: int, target_layer_ids, block_size: int,
                   mask_token_id: int, std: float = 0.05, seed: int = 1) -> str:
     """A DFlash drafter with random weights (no embed/lm_head: shared with the target)."""
-    from safetensors.torch import save_file
-
     os.makedirs(path, exist_ok=True)
     cfg = dict(target_cfg)
     cfg.update(architectures=["DFlashDraftModel"], num_hidden_layers=layers,
@@ -99,6 +73,19 @@ def write_drafter(path: str, target_cfg: dict, layers: int, target_layer_ids, bl
                               "target_layer_ids": list(target_layer_ids)})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
+    h, n_aux = cfg["hidden_size"], len(target_layer_ids)
+    return _save_random(path, cfg, layers, "layers.", std, seed,
+                        lambda rnd, ones: {"fc.weight": rnd(h, h * n_aux),
+                                           "hidden_norm.weight": ones(h),
+                                           "norm.weight": ones(h)})
+
+
+def _save_random(path: str, cfg: dict, layers: int, prefix: str, std: float, seed: int,
+                 head) -> str:
+    """model.safetensors with head(rnd, ones) (drawn first) and `layers` Qwen3 decoder
+    layers named prefix + index; bf16, normal(0, std) weights, norms 1."""
+    from safetensors.torch import save_file
+
     g = torch.Generator(device="cuda").manual_seed(seed)
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
     hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -109,10 +96,9 @@ def write_drafter(path: str, target_cfg: dict, layers: int, target_layer_ids, bl
     def ones(n):
         return torch.ones(n, dtype=torch.bfloat16)
 
-    t = {"fc.weight": rnd(h, h * len(target_layer_ids)), "hidden_norm.weight": ones(h),
-         "norm.weight": ones(h)}
+    t = head(rnd, ones)
     for li in range(layers):
-        p = f"layers.{li}."
+        p = f"{prefix}{li}."
         t.update({p + "self_attn.q_proj.weight": rnd(nh * hd, h),
                   p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
                   p + "self_attn.v_proj.weight": rnd(nkv * hd, h),
