@@ -205,8 +205,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         return self._caches
 
     def commit(self, aux_hidden_states) -> None:
-        step, walk = self.step, self.walk
-        self.step, self.walk = None, None
+        step, walk = self.take_step()
         if step is None:
             return
         runner = self.runner

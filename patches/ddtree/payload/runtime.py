@@ -171,10 +171,15 @@ class DDTreeRuntime:
                 except AttributeError:
                     pass
 
-    def commit(self, aux_hidden_states) -> None:
-        """After the walk: compact KV, restore linear positions, put path rows first."""
+    def take_step(self):
+        """(step, walk) of the step being committed; the runtime forgets them."""
         step, walk = self.step, self.walk
         self.step, self.walk = None, None
+        return step, walk
+
+    def commit(self, aux_hidden_states) -> None:
+        """After the walk: compact KV, restore linear positions, put path rows first."""
+        step, walk = self.take_step()
         if step is None:
             return
         runner = self.runner
