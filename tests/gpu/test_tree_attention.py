@@ -149,3 +149,20 @@ def test_cuda_graph_replay_sees_new_trees():
         ref = ca.reference_tree_attention(**case)
         err = (out.float() - ref).abs().max().item()
         assert err <= TOL[dtype], (seed, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, "half"])
+def test_heads_packed_layout_of_032(dtype):
+    """vLLM 0.32/0.33 FA/Triton caches are [blocks, Hkv, block_size, 2*D] (K | V on the
+    last dim): split_kv gives the views the kernel reads; same output as the oracle."""
+    dev = device()
+    if dtype == "half":  # the CPU interpreter has no bf16 arithmetic: fp16 there
+        dtype = torch.bfloat16 if dev == "cuda" else torch.float16
+    ca = payload_module("cuda_attention")
+    case, max_q = make_case(dev, dtype, q_lens=[9, 1, 5], ctx_lens=[20, 7, 33],
+                            trees=[True, False, True], budget=8, seed=5)
+    k, v = case["key_cache"], case["value_cache"]  # [blocks, bs, Hkv, D]
+    packed = torch.cat([k, v], dim=-1).permute(0, 2, 1, 3).contiguous()
+    pk, pv = ca.split_kv(packed, "heads_packed", k.shape[-1])
+    assert torch.equal(pk, k) and torch.equal(pv, v)
+    check(dict(case, key_cache=pk, value_cache=pv), max_q, dtype, splits=(None,))

@@ -7,7 +7,7 @@ import ast
 
 import pytest
 
-from ddtree_patcher.patches.ddtree import PROPOSER, SAMPLER, v0_20
+from ddtree_patcher.patches.ddtree import PROPOSER, SAMPLER, v0_20, v0_32
 from ddtree_patcher.patches.framework import AnchorError, function_code
 from helpers import snapshot
 
@@ -97,7 +97,9 @@ def test_families_cover_020_and_032():
         for v in VERSIONS + ["0.32.0", "0.33.0"]:
             assert t.family(v) is not None
     paths = {e.path for e in SAMPLER.family("0.32.0").edits}
-    assert v0_20.FLASH not in paths  # the CPU family keeps its own attention hook
+    # 0.32/0.33: CPU, FA and Triton hooks (K|V packed per head, all target rows marked)
+    assert {v0_32.CPU_ATTN, v0_32.FLASH, v0_32.TRITON} <= paths
+    assert v0_20.FLEX not in paths
     added = {a.path for a in PROPOSER.family("0.20.2").added}
     assert "vllm/v1/spec_decode/ddtree/cuda_attention.py" in added
     assert "vllm/v1/spec_decode/ddtree/cuda_runtime.py" in added

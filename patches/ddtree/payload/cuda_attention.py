@@ -303,14 +303,27 @@ def _check(impl) -> None:
                                   "the target; this model uses " + ", ".join(bad))
 
 
-def tree_attention(impl, layer, query, key, value, kv_cache, md, output, backend=""):
+def split_kv(kv_cache: torch.Tensor, layout: str, head_size: int):
+    """(key_cache, value_cache) as [num_blocks, block_size, kv_heads, head_size] views.
+
+    "kv_outer": [2, blocks, block_size, heads, D] (vLLM 0.20.x FA / Flex);
+    "heads_packed": [blocks, heads, block_size, 2 * D] (0.32/0.33 FA / Triton)."""
+    if layout == "kv_outer":
+        return kv_cache.unbind(0)
+    if layout == "heads_packed":
+        return kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    raise ValueError(f"unknown KV cache layout {layout!r}")
+
+
+def tree_attention(impl, layer, query, key, value, kv_cache, md, output, backend="",
+                   layout="kv_outer"):
     """The backends' forward for metadata marked by the DDTree runtime (``md.ddtree``
     is the runtime's TreeState).  K/V of this step are already in ``kv_cache``."""
     if not getattr(impl, "_ddtree_checked", False):
         _check(impl)
         impl._ddtree_checked = True
     state = md.ddtree
-    key_cache, value_cache = kv_cache.unbind(0)
+    key_cache, value_cache = split_kv(kv_cache, layout, impl.head_size)
     return launch(query, key_cache, value_cache, output, md.block_table, md.seq_lens,
                   md.query_start_loc, state.has_tree, state.mask, impl.scale,
                   md.max_query_len, impl.num_kv_heads)

@@ -37,6 +37,22 @@ def make_runtime(runner):
     return DDTreeRuntime(runner)
 
 
+# attention implementations whose forward carries the tree hook, per KV layout
+HOOKED = {"kv_outer": ("FlashAttentionImpl", "FlexAttentionImpl"),
+          "heads_packed": ("FlashAttentionImpl", "TritonAttentionImpl")}
+
+
+def _layout(kv, head_size) -> str | None:
+    """The paged-KV layout of a layer's cache tensor, None if it is not one."""
+    if not isinstance(kv, torch.Tensor):
+        return None
+    if kv.dim() == 5 and kv.shape[0] == 2:
+        return "kv_outer"
+    if kv.dim() == 4 and head_size and kv.shape[-1] == 2 * head_size:
+        return "heads_packed"
+    return None
+
+
 class CudaStep:
     """What the sampler and commit() need of this step's trees."""
 
@@ -70,6 +86,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         self._start = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
         self._neff = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
         self._caches = None
+        self._layout = None
         self._block_size = None
 
     # ---------------------------------------------------------------- proposer side
@@ -87,6 +104,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
                 self._dirty = False
             return
         runner = self.runner
+        self._target_caches()  # checks the backends before the first verify runs
         req_ids = runner.input_batch.req_ids
         n = len(req_ids)
         lists = [spec.get(rid, ()) for rid in req_ids]
@@ -181,26 +199,39 @@ class CudaDDTreeRuntime(DDTreeRuntime):
                         continue
 
     def _target_caches(self):
+        """Every target attention layer's paged KV (drafter layers and shared caches
+        skipped), and its layout: "kv_outer" on 0.20.x, "heads_packed" on 0.32/0.33."""
         if self._caches is None:
             runner = self.runner
             draft = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
-            seen, caches = set(), []
+            seen, caches, layouts = set(), [], set()
             for name, layer in runner.compilation_config.static_forward_context.items():
-                if name in draft or not hasattr(layer, "impl"):
+                if name in draft or getattr(layer, "is_draft_layer", False) or \
+                        not hasattr(layer, "impl"):
                     continue
                 kv = getattr(layer, "kv_cache", None)
                 if isinstance(kv, (list, tuple)):
                     kv = kv[0] if kv else None
-                if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[0] != 2:
+                layout = _layout(kv, getattr(layer.impl, "head_size", None))
+                if layout is None or kv.data_ptr() in seen:  # KV sharing between layers
                     continue
-                if kv.data_ptr() in seen:  # KV sharing between layers
-                    continue
+                impl = type(layer.impl).__name__
+                if impl not in HOOKED[layout]:
+                    # its forward would ignore the tree mask: refuse before any verify
+                    raise NotImplementedError(
+                        f"DDTree: target layer {name} runs {impl}, which has no tree "
+                        f"attention; use one of {', '.join(HOOKED[layout])} (e.g. "
+                        "attention_config={'backend': 'FLASH_ATTN'} or 'TRITON_ATTN')")
                 seen.add(kv.data_ptr())
                 caches.append(kv)
-            if not caches:
-                raise RuntimeError("DDTree: no target KV caches of the FA/Flex layout "
-                                   "[2, blocks, block_size, heads, head_size] found")
+                layouts.add(layout)
+            if not caches or len(layouts) != 1:
+                raise RuntimeError(
+                    "DDTree: target KV caches must all be paged attention caches of one "
+                    "layout ([2, blocks, block_size, heads, head_size] or [blocks, heads, "
+                    f"block_size, 2 * head_size]); found {len(caches)} of {sorted(layouts)}")
             self._caches = caches
+            self._layout = layouts.pop()
             self._block_size = caches[0].shape[2]
         return self._caches
 
@@ -230,7 +261,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
             cuda_step.move_rows(list(aux_hidden_states), src, dst)
         block_table = runner.input_batch.block_table[0].get_device_tensor(n)
         compact_kv(self._target_caches(), block_table, self._block_size, start, rows, neff,
-                   "kv_outer")
+                   self._layout)
         self._observe(step, walk)
 
     def _commit_torch(self, step, walk, aux_hidden_states) -> None:
@@ -260,7 +291,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         start = pos[roots.clamp(min=0)]
         block_table = runner.input_batch.block_table[0].get_device_tensor(n)
         compact_kv(caches, block_table, self._block_size, start, rows,
-                   torch.where(valid, nacc, 0), "kv_outer")
+                   torch.where(valid, nacc, 0), self._layout)
         self._observe(step, walk)
 
     def _observe(self, step, walk) -> None:

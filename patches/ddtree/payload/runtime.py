@@ -88,8 +88,8 @@ class DDTreeRuntime:
             # this runtime verifies with the CPU backend's tree attention; a CUDA
             # backend would ignore the tree mask and lose exactness
             raise NotImplementedError(
-                "DDTree on this vLLM version verifies trees with the CPU attention "
-                "backend only; on CUDA use vLLM 0.20.x (CUDA tree attention) for now")
+                "DDTreeRuntime verifies trees with the CPU attention backend; CUDA "
+                "runners take cuda_runtime.CudaDDTreeRuntime (cuda_runtime.make_runtime)")
         self.runner = runner
         spec = runner.speculative_config
         self.budget = spec.ddtree_budget
@@ -170,6 +170,9 @@ class DDTreeRuntime:
                     md.ddtree = self.step
                 except AttributeError:
                     pass
+
+    def attach_dummy(self, attn_metadata) -> None:
+        """Dummy runs: nothing to mark (the CPU backend has no captured graphs)."""
 
     def take_step(self):
         """(step, walk) of the step being committed; the runtime forgets them."""
