@@ -1,13 +1,14 @@
-"""Greedy DDTree == no-spec on the H200 with real (patched) vLLM 0.20.2, tiny models.
+"""Greedy DDTree == no-spec on the H200 with real (patched) vLLM, tiny models.
 
-Runs (one process, engines one after the other):
-  fp32, FLEX_ATTENTION (FA3 has no fp32); reference nospec eager; ddtree with CUDA graphs
-  (FULL_DECODE_ONLY: verify steps of
-  a uniform batch replay a FULL graph that holds the tree kernel):
+Runs (one process, engines one after the other; the rows per version are in plan()):
+  fp32 (FLEX_ATTENTION on 0.20.x, TRITON_ATTN on 0.32/0.33; FA3 has no fp32): reference
+  nospec eager; ddtree with CUDA graphs (FULL_DECODE_ONLY: verify steps of a uniform
+  batch replay a FULL graph that holds the tree kernel):
     nospec  vs  ddtree (B=32, L=7): prompts 0-3 with the synthetic drafter (the target's
     own continuation placed at ranks drawn from [0.5, 0.25, 0.1]: deep and sibling
     accepts), prompts 4-7 with the random DFlash drafter.
-  bf16, FLASH_ATTN (FA3): nospec graphs, ddtree graphs, ddtree eager.
+  bf16, FLASH_ATTN (FA3) (and TRITON_ATTN on 0.32/0.33): nospec graphs, ddtree graphs,
+  ddtree eager.
 Also counted: eager calls of the tree attention during generation (0 under graphs for
 uniform verify steps = the tree ran inside the FULL graph), and the walk statistics.
 
@@ -87,9 +88,23 @@ def run(name, res, out_dir, base, toks, dtype, backend, mode, **kw):
     C.dump(os.path.join(out_dir, "equality.json"), res)
 
 
+def plan(version: str) -> list[tuple]:
+    """(tag, dtype, backend, reference runs eager, also run ddtree eager) per version.
+    FA3 has no fp32: the fp32 rows use FLEX_ATTENTION (0.20.x) or TRITON_ATTN
+    (0.32/0.33, whose V1 FA/Triton hooks are what is tested there)."""
+    if version.startswith("0.20"):
+        return [("fp32", "float32", "FLEX_ATTENTION", True, False),
+                ("bf16", "bfloat16", "FLASH_ATTN", False, True)]
+    return [("fp32_triton", "float32", "TRITON_ATTN", True, True),
+            ("bf16_fa", "bfloat16", "FLASH_ATTN", False, True),
+            ("bf16_triton", "bfloat16", "TRITON_ATTN", False, False)]
+
+
 def main():
     out_dir = sys.argv[1]
     os.makedirs(out_dir, exist_ok=True)
+    import vllm
+
     base = "/tmp/eq_models"
     cfg = C.qwen3_config(**TINY)
     C.write_target(f"{base}/target", cfg, random_weights=True, std=0.08)
@@ -97,16 +112,16 @@ def main():
                     block_size=L + 1, mask_token_id=TINY["vocab_size"] - 1)
     toks = [C.prompts(1, 8 + 7 * i, 2, 1000, seed=i)[0] for i in range(N_PROMPTS)]
     res = {"config": {"B": B, "L": L, "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS,
-                      "tiny": TINY}}
-    tags = os.environ.get("EQ_TAGS", "fp32,bf16").split(",")
-    for dtype, backend, tag in (("float32", "FLEX_ATTENTION", "fp32"),
-                                ("bfloat16", "FLASH_ATTN", "bf16")):
+                      "tiny": TINY, "vllm": vllm.__version__,
+                      "runner_env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}}
+    rows = plan(vllm.__version__)
+    tags = os.environ.get("EQ_TAGS", ",".join(r[0] for r in rows)).split(",")
+    summary = {}
+    for tag, dtype, backend, ref_eager, with_eager in rows:
         if tag not in tags:
             continue
-        # the fp32 reference runs eager (FlexAttention inside FULL graphs is not what is
-        # tested here); the bf16 one with FULL graphs (FA3)
-        ref_name = f"{tag}_nospec_" + ("eager" if tag == "fp32" else "graphs")
-        run(ref_name, res, out_dir, base, toks, dtype, backend, "nospec", eager=tag == "fp32")
+        ref_name = f"{tag}_nospec_" + ("eager" if ref_eager else "graphs")
+        run(ref_name, res, out_dir, base, toks, dtype, backend, "nospec", eager=ref_eager)
         ref = res[ref_name].get("tokens")
         profile = None
         if ref:
@@ -114,25 +129,21 @@ def main():
             with open(profile, "w") as f:  # synthetic drafter for prompts 0-3 only
                 json.dump({"sequences": [p + o for p, o in zip(toks[:4], ref[:4])],
                            "rank_probs": [0.5, 0.25, 0.1], "seed": 0, "peak": 3.0}, f)
-        run(f"{tag}_ddtree_graphs", res, out_dir, base, toks, dtype, backend, "ddtree",
-            profile=profile)
-        if tag == "bf16":
-            run(f"{tag}_ddtree_eager", res, out_dir, base, toks, dtype, backend, "ddtree",
-                profile=profile, eager=True)
-    summary = {}
-    for tag in ("fp32", "bf16"):
-        ref = (res.get(f"{tag}_nospec_graphs") or res.get(f"{tag}_nospec_eager") or {}).get("tokens")
-        for kind in ("graphs", "eager"):
+        kinds = ["graphs"] + (["eager"] if with_eager else [])
+        for kind in kinds:
+            run(f"{tag}_ddtree_{kind}", res, out_dir, base, toks, dtype, backend, "ddtree",
+                profile=profile, eager=kind == "eager")
+        for kind in kinds:
             got = res.get(f"{tag}_ddtree_{kind}", {}).get("tokens")
             if ref is None or got is None:
                 continue
             same = [a == b for a, b in zip(ref, got)]
             summary[f"{tag}_ddtree_{kind}_equals_nospec"] = all(same)
             summary[f"{tag}_ddtree_{kind}_equal_prompts"] = sum(same)
-    g = res.get("bf16_ddtree_graphs", {}).get("tokens")
-    e = res.get("bf16_ddtree_eager", {}).get("tokens")
-    if g and e:
-        summary["bf16_ddtree_graphs_equals_eager"] = g == e
+        g = res.get(f"{tag}_ddtree_graphs", {}).get("tokens")
+        e = res.get(f"{tag}_ddtree_eager", {}).get("tokens")
+        if g and e:
+            summary[f"{tag}_ddtree_graphs_equals_eager"] = g == e
     res["summary"] = summary
     C.dump(os.path.join(out_dir, "equality.json"), res)
     C.log("SUMMARY", json.dumps(summary))

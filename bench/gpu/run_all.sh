@@ -3,13 +3,17 @@
 # 0.20.2 bundle in /tmp/vb).  Every stage has its own timeout and writes under $OUT,
 # so a stage that fails or runs out of time leaves the others' results.
 #   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests sweep eq kernel bench repeat",
-#                                         BENCH_CONFIGS, T_TESTS, T_EQ, T_KERNEL, T_BENCH)
+#                                         BENCH_CONFIGS, T_TESTS, T_EQ, T_KERNEL, T_BENCH,
+#                                         GPU_PATCH: the overlay of patched files, made by
+#                                         bench/gpu/make_overlay.py; default .gpu-patch)
+# Works for any bundle the shared recipes install at /tmp/vb (0.20.2, 0.32.0, 0.33.0).
 set -u
 FINAL=${OUT:-/tmp/out}   # what comes back (few files): results.tgz + the two JSONs
 OUT=/tmp/work            # every stage writes here
 mkdir -p "$OUT" "$FINAL"
 export PYTHONPATH=/tmp/vb/vllm_slim:/tmp/vb/site:${PYTHONPATH:-}
-export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+       VLLM_USE_FLASHINFER_SAMPLER=0  # 0.32/0.33 bundles carry no flashinfer
 STAGES=${STAGES:-"tests sweep eq kernel bench"}
 # the tree kernel's launch table: the sweep's picks (this run's or an earlier call's)
 TUNING=/tmp/attn_tuning.json
@@ -20,7 +24,9 @@ start=$(date +%s)
 # the payload travels with the working tree: refresh it in the installed bundle (a payload
 # fix then needs no new bundle); a carried .gpu-patch/ (patched upstream files, same
 # layout as site-packages) is laid over it too
-if [ -d "$ROOT/.gpu-patch" ]; then cp -r "$ROOT/.gpu-patch/." /tmp/vb/vllm_slim/; fi
+PATCH_DIR=${GPU_PATCH:-.gpu-patch}
+case "$PATCH_DIR" in /*) ;; *) PATCH_DIR="$ROOT/$PATCH_DIR";; esac
+if [ -d "$PATCH_DIR" ]; then cp -r "$PATCH_DIR/." /tmp/vb/vllm_slim/; fi
 DDT=/tmp/vb/vllm_slim/vllm/v1/spec_decode/ddtree
 if [ -d /tmp/vb/vllm_slim/vllm ]; then
   mkdir -p "$DDT/core"

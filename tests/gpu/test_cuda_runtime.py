@@ -87,8 +87,13 @@ def test_one_verify_step(dev, fused, layout, monkeypatch):
         positions=positions,
         input_ids=SimpleNamespace(gpu=torch.arange(100, 132, device=dev)),
         query_start_loc=SimpleNamespace(np=qsl),
-        input_batch=SimpleNamespace(req_ids=reqs, block_table=[SimpleNamespace(
-            get_device_tensor=lambda n: bt[:n])]),
+        # KV-cache group 0 is the drafter's (a wrong table here), group 1 the target's
+        input_batch=SimpleNamespace(req_ids=reqs, block_table=[
+            SimpleNamespace(get_device_tensor=lambda n: (bt[:n] + 1) % 15),
+            SimpleNamespace(get_device_tensor=lambda n: bt[:n])]),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[
+            SimpleNamespace(layer_names=["drafter.layers.0.attn"]),
+            SimpleNamespace(layer_names=["model.layers.0.attn"])]),
         requests={r: None for r in reqs},
         compilation_config=SimpleNamespace(static_forward_context={
             "model.layers.0.attn": SimpleNamespace(impl=_impl(impl), kv_cache=kv),
@@ -118,11 +123,12 @@ def test_one_verify_step(dev, fused, layout, monkeypatch):
 
     # target: for a follow the deepest path of the tree; b accepts 2 then stops
     par = tree.parents[1].cpu().tolist()
-    leaf = int(tree.depths[1].argmax())
+    leaf = len(par) - 1  # the last node popped: its path is off the first chain
     path = [leaf]
     while par[path[-1]] >= 0:
         path.append(par[path[-1]])
     path = path[::-1]  # node indices root -> leaf
+    assert any(p != k for k, p in enumerate(path))  # some rows must move
     logits = torch.zeros(12, V, device=dev)
     rows_a = [0] + [p + 1 for p in path]  # verify rows along the path
     for k, r in enumerate(rows_a[:-1]):

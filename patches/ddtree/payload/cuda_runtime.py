@@ -53,6 +53,14 @@ def _layout(kv, head_size) -> str | None:
     return None
 
 
+def _groups_of(runner, layer_names) -> set[int]:
+    """KV-cache groups holding these layers (empty when the runner has no config)."""
+    cfg = getattr(runner, "kv_cache_config", None)
+    wanted = set(layer_names)
+    return {i for i, g in enumerate(getattr(cfg, "kv_cache_groups", ()) or ())
+            if wanted & set(g.layer_names)}
+
+
 class CudaStep:
     """What the sampler and commit() need of this step's trees."""
 
@@ -87,6 +95,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         self._neff = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
         self._caches = None
         self._layout = None
+        self._group = 0
         self._block_size = None
 
     # ---------------------------------------------------------------- proposer side
@@ -204,7 +213,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         if self._caches is None:
             runner = self.runner
             draft = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
-            seen, caches, layouts = set(), [], set()
+            seen, caches, layouts, names = set(), [], set(), []
             for name, layer in runner.compilation_config.static_forward_context.items():
                 if name in draft or getattr(layer, "is_draft_layer", False) or \
                         not hasattr(layer, "impl"):
@@ -223,8 +232,15 @@ class CudaDDTreeRuntime(DDTreeRuntime):
                         f"attention; use one of {', '.join(HOOKED[layout])} (e.g. "
                         "attention_config={'backend': 'FLASH_ATTN'} or 'TRITON_ATTN')")
                 seen.add(kv.data_ptr())
+                names.append(name)
                 caches.append(kv)
                 layouts.add(layout)
+            groups = _groups_of(runner, names)
+            if len(groups) > 1:
+                raise NotImplementedError(
+                    "DDTree: the target's attention layers span several KV-cache groups "
+                    f"({sorted(groups)}); KV compaction supports one group")
+            self._group = groups.pop() if groups else 0
             if not caches or len(layouts) != 1:
                 raise RuntimeError(
                     "DDTree: target KV caches must all be paged attention caches of one "
@@ -259,7 +275,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
             return
         if aux_hidden_states:  # the drafter's context: path rows first
             cuda_step.move_rows(list(aux_hidden_states), src, dst)
-        block_table = runner.input_batch.block_table[0].get_device_tensor(n)
+        block_table = runner.input_batch.block_table[self._group].get_device_tensor(n)
         compact_kv(self._target_caches(), block_table, self._block_size, start, rows, neff,
                    self._layout)
         self._observe(step, walk)
@@ -289,7 +305,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         caches = self._target_caches()
         n = roots.shape[0]
         start = pos[roots.clamp(min=0)]
-        block_table = runner.input_batch.block_table[0].get_device_tensor(n)
+        block_table = runner.input_batch.block_table[self._group].get_device_tensor(n)
         compact_kv(caches, block_table, self._block_size, start, rows,
                    torch.where(valid, nacc, 0), self._layout)
         self._observe(step, walk)
