@@ -140,15 +140,27 @@ def prompts(n: int, length: int, lo: int, hi: int, seed: int = 0) -> list[list[i
     return [torch.randint(lo, hi, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def generate(llm, toks: list[list[int]], max_tokens: int):
+def generate(llm, toks: list[list[int]], max_tokens: int, margins: bool = False):
+    """Greedy outputs and seconds; margins=True also returns, per prompt and step, the
+    top-1 minus top-2 logprob (needs logprobs, so not with method 'ddtree')."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        detokenize=False)
+                        detokenize=False, logprobs=2 if margins else None)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in toks], sp, use_tqdm=False)
     dt = time.perf_counter() - t0
-    return [list(o.outputs[0].token_ids) for o in outs], dt
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if not margins:
+        return tokens, dt
+    gaps = []
+    for o in outs:
+        row = []
+        for step in o.outputs[0].logprobs or []:
+            v = sorted((x.logprob for x in step.values()), reverse=True)
+            row.append(v[0] - v[1] if len(v) > 1 else float("inf"))
+        gaps.append(row)
+    return tokens, dt, gaps
 
 
 def dump(path: str, obj) -> None:

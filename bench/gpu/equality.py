@@ -39,7 +39,8 @@ def engine(base, dtype, backend, mode, profile=None, eager=False, stats=None):
               max_model_len=512, max_num_seqs=N_PROMPTS, gpu_memory_utilization=0.08,
               attention_backend=backend, enforce_eager=eager)
     if not eager:
-        sizes = [k * (1 + (B if mode == "ddtree" else 0)) for k in range(1, N_PROMPTS + 1)]
+        k_spec = {"ddtree": B, "dflash": L}.get(mode, 0)
+        sizes = [k * (1 + k_spec) for k in range(1, N_PROMPTS + 1)]
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                     "cudagraph_capture_sizes": sizes}
     if mode == "ddtree":
@@ -48,6 +49,9 @@ def engine(base, dtype, backend, mode, profile=None, eager=False, stats=None):
         if profile:
             spec["ddtree_synthetic"] = profile
         kw["speculative_config"] = spec
+    elif mode == "dflash":  # the chain: a control for bf16 rounding differences
+        kw["speculative_config"] = {"method": "dflash", "model": f"{base}/drafter",
+                                    "num_speculative_tokens": L}
     if stats:
         os.environ["VLLM_DDTREE_STATS_FILE"] = stats
     else:
@@ -75,9 +79,13 @@ def run(name, res, out_dir, base, toks, dtype, backend, mode, **kw):
         stats = os.path.join(out_dir, f"stats_{name}.json") if mode == "ddtree" else None
         llm = engine(base, dtype, backend, mode, stats=stats, **kw)
         box, undo = count_tree_calls()
-        outs, dt = C.generate(llm, toks, MAX_TOKENS)
+        margins = mode == "nospec"
+        got = C.generate(llm, toks, MAX_TOKENS, margins=margins)
         undo()
-        res[name] = {"tokens": outs, "seconds": dt, "eager_tree_attention_calls": box["n"]}
+        res[name] = {"tokens": got[0], "seconds": got[1],
+                     "eager_tree_attention_calls": box["n"]}
+        if margins:
+            res[name]["top2_gaps"] = got[2]
         if stats and os.path.exists(stats):
             with open(stats) as f:
                 res[name]["walk"] = json.load(f)
@@ -86,6 +94,17 @@ def run(name, res, out_dir, base, toks, dtype, backend, mode, **kw):
         res[name] = {"error": traceback.format_exc()[-3000:]}
         C.log("FAILED", name, res[name]["error"][-800:])
     C.dump(os.path.join(out_dir, "equality.json"), res)
+
+
+def first_diffs(ref, got, gaps):
+    """[prompt, first differing step, the no-spec top-1/top-2 logprob gap there]"""
+    out = []
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            gap = gaps[i][j] if gaps and j < len(gaps[i]) else None
+            out.append([i, j, None if gap is None else round(gap, 5)])
+    return out
 
 
 def plan(version: str) -> list[tuple]:
@@ -133,13 +152,17 @@ def main():
         for kind in kinds:
             run(f"{tag}_ddtree_{kind}", res, out_dir, base, toks, dtype, backend, "ddtree",
                 profile=profile, eager=kind == "eager")
-        for kind in kinds:
-            got = res.get(f"{tag}_ddtree_{kind}", {}).get("tokens")
+        if dtype != "float32":  # is a difference bf16 rounding? the chain is the control
+            run(f"{tag}_dflash_graphs", res, out_dir, base, toks, dtype, backend, "dflash")
+        gaps = res[ref_name].get("top2_gaps")
+        for name in [f"{tag}_ddtree_{k}" for k in kinds] + [f"{tag}_dflash_graphs"]:
+            got = res.get(name, {}).get("tokens")
             if ref is None or got is None:
                 continue
             same = [a == b for a, b in zip(ref, got)]
-            summary[f"{tag}_ddtree_{kind}_equals_nospec"] = all(same)
-            summary[f"{tag}_ddtree_{kind}_equal_prompts"] = sum(same)
+            summary[f"{name}_equals_nospec"] = all(same)
+            summary[f"{name}_equal_prompts"] = sum(same)
+            summary[f"{name}_first_diffs"] = first_diffs(ref, got, gaps)
         g = res.get(f"{tag}_ddtree_graphs", {}).get("tokens")
         e = res.get(f"{tag}_ddtree_eager", {}).get("tokens")
         if g and e:
