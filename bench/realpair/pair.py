@@ -104,7 +104,7 @@ def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
     lo, hi = 1, max(1, num_target_layers - 2)
     if n == 1:
         return [hi]
-    return sorted({round(lo + (hi - lo) * k / (n - 1)) for k in range(n)})
+    return sorted({math.floor(lo + (hi - lo) * k / (n - 1) + 0.5) for k in range(n)})
 
 
 # ------------------------------------------------------------------ drafter

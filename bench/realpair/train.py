@@ -40,7 +40,7 @@ PRESETS = {
                 d_layers=2, d_aux=3, block=16, d_batch=48, d_blocks=16, d_lr=1.5e-3,
                 gen_batch=768, gen_prompt=(64, 192), gen_len=256, gen_max_seqs=12288,
                 eval_prompts=64, eval_prompt_len=128, eval_gen=192, eval_stride=4,
-                eval_max_anchors=1536, measure_prompts=16, max_files=None,
+                eval_max_anchors=1024, measure_prompts=16, max_files=None,
                 tok_bytes=12_000_000, budgets=(16, 32, 64, 128, 256)),
     # CPU smoke run of the whole pipeline (minutes on 2 cores)
     "tiny": dict(vocab=1024, hidden=128, inter=256, layers=4, heads=2, kv_heads=1,
@@ -74,6 +74,12 @@ def lr_at(frac: float, warm: float = 0.04, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * x))
 
 
+def progress(t0, seconds, step, max_steps) -> float:
+    """Training progress in [0, 1]: wall clock, or the step cap if it comes first."""
+    frac = (time.perf_counter() - t0) / seconds
+    return max(frac, step / max_steps) if max_steps else frac
+
+
 def autocast(dev):
     if dev.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -102,7 +108,8 @@ def heldout_loss(model, stream, seq, dev, max_windows=128):
     return tot / cnt
 
 
-def train_target(model, train_stream, held_stream, p, seconds, dev, seed, res):
+def train_target(model, train_stream, held_stream, p, seconds, dev, seed, res,
+                 max_steps=None):
     seq, bs = p["seq"], p["batch"]
     g = torch.Generator().manual_seed(seed)
     decay = [q for n, q in model.named_parameters() if q.dim() >= 2 and "embed" not in n]
@@ -119,7 +126,7 @@ def train_target(model, train_stream, held_stream, p, seconds, dev, seed, res):
     best = (float("inf"), None, 0)
     next_eval = 0.0
     while True:
-        frac = (time.perf_counter() - t0) / seconds
+        frac = progress(t0, seconds, step, max_steps)
         if frac >= 1.0:
             break
         for gr in opt.param_groups:
@@ -137,7 +144,7 @@ def train_target(model, train_stream, held_stream, p, seconds, dev, seed, res):
         opt.step()
         step += 1
         if step % 25 == 0 or frac >= next_eval:
-            lv = float(loss)
+            lv = float(loss.detach())
             ema = lv if ema is None else 0.9 * ema + 0.1 * lv
         if frac >= next_eval:  # held-out loss ~10 times per run; keep the best
             hl = heldout_loss(model, held_stream, seq, dev, max_windows=64)
@@ -235,7 +242,8 @@ def drafter_loss(drafter, target, cap, x, anchors, block, mask_id, weights):
     return (ce * weights).sum(-1).mean() / weights.sum(), logits, labels
 
 
-def train_drafter(drafter, target, cap, data, p, seconds, dev, seed, mask_id, res):
+def train_drafter(drafter, target, cap, data, p, seconds, dev, seed, mask_id, res,
+                  max_steps=None):
     block = p["block"]
     gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block, block / 2)  # DFlash's loss decay
     weights = torch.exp(-torch.arange(block - 1, device=dev, dtype=torch.float32) / gamma)
@@ -247,7 +255,7 @@ def train_drafter(drafter, target, cap, data, p, seconds, dev, seed, mask_id, re
     next_log = 0.0
     drafter.train()
     while True:
-        frac = (time.perf_counter() - t0) / seconds
+        frac = progress(t0, seconds, step, max_steps)
         if frac >= 1.0:
             break
         for gr in opt.param_groups:
@@ -266,7 +274,8 @@ def train_drafter(drafter, target, cap, data, p, seconds, dev, seed, mask_id, re
         opt.step()
         step += 1
         if step % 25 == 0 or frac >= next_log:
-            ema = float(loss) if ema is None else 0.9 * ema + 0.1 * float(loss)
+            lv = float(loss.detach())
+            ema = lv if ema is None else 0.9 * ema + 0.1 * lv
         if frac >= next_log:
             acc = (logits.argmax(-1) == labels).float().mean((0, 1))
             curve.append({"s": round(time.perf_counter() - t0, 1), "step": step,
@@ -323,6 +332,10 @@ def main(argv=None) -> int:
     ap.add_argument("--target-seconds", type=float, default=None)
     ap.add_argument("--gen-seconds", type=float, default=None)
     ap.add_argument("--drafter-seconds", type=float, default=None)
+    ap.add_argument("--target-steps", type=int, default=None,
+                    help="stop the target at this many steps if the time lasts "
+                         "(--tiny: 150, so CPU runs are deterministic)")
+    ap.add_argument("--drafter-steps", type=int, default=None, help="(--tiny: 500)")
     ap.add_argument("--site-packages", action="store_true",
                     help="add the interpreter's site-packages .py files to the corpus")
     ap.add_argument("--heldout-frac", type=float, default=0.05)
@@ -335,9 +348,11 @@ def main(argv=None) -> int:
         if k not in p:
             ap.error(f"unknown preset key {k}")
         p[k] = json.loads(v)
-    secs = {"target": args.target_seconds or (20 if args.tiny else 150),
-            "gen": args.gen_seconds or (5 if args.tiny else 25),
-            "drafter": args.drafter_seconds or (20 if args.tiny else 100)}
+    secs = {"target": args.target_seconds or (60 if args.tiny else 140),
+            "gen": args.gen_seconds or (5 if args.tiny else 20),
+            "drafter": args.drafter_seconds or (60 if args.tiny else 90)}
+    steps = {"target": args.target_steps or (150 if args.tiny else None),
+             "drafter": args.drafter_steps or (500 if args.tiny else None)}
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -350,6 +365,7 @@ def main(argv=None) -> int:
     tdir.mkdir(parents=True, exist_ok=True)
     clock = Clock()
     res = {"preset": "tiny" if args.tiny else "gpu", "params": p, "seconds": secs,
+           "max_steps": steps,
            "seed": args.seed, "device": str(dev), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None}
     try:
@@ -392,7 +408,8 @@ def main(argv=None) -> int:
     mask_id = tp["mask_token_id"]
     target = pair.make_target(tp).to(dev)
     res["target_params_count"] = sum(q.numel() for q in target.parameters())
-    train_target(target, train_stream, held_stream, p, secs["target"], dev, args.seed, res)
+    train_target(target, train_stream, held_stream, p, secs["target"], dev, args.seed, res,
+                 steps["target"])
     hl = heldout_loss(target, held_stream, p["seq"], dev, max_windows=256)
     res["target_heldout"] = {"loss": round(hl, 4), "ppl": round(math.exp(hl), 3),
                              "bits_per_byte": round(hl / math.log(2) /
@@ -425,7 +442,7 @@ def main(argv=None) -> int:
     drafter.to(dev)
     cap = pair.AuxCapture(target, layer_ids)
     train_drafter(drafter, target, cap, data, p, secs["drafter"], dev, args.seed + 3,
-                  mask_id, res)
+                  mask_id, res, steps["drafter"])
     del data
     pair.save_drafter(drafter, ddir, tdir, layer_ids=layer_ids, block_size=p["block"],
                       mask_token_id=mask_id)
