@@ -39,8 +39,9 @@ def source_roots(site_packages: bool) -> list[tuple[str, Path]]:
 
 
 def list_files(site_packages: bool = False, max_file_bytes: int = 400_000,
-               max_files: int | None = None) -> list[dict]:
-    """Sorted, readable .py files: [{"root", "path", "bytes"}]."""
+               max_files: int | None = None, max_site_bytes: int | None = None) -> list[dict]:
+    """Sorted .py files: [{"root", "path", "bytes"}].  Site-packages files (if asked
+    for) are thinned to an even spread of at most max_site_bytes."""
     out = []
     for name, root in source_roots(site_packages):
         for dirpath, dirnames, filenames in os.walk(root):
@@ -58,7 +59,13 @@ def list_files(site_packages: bool = False, max_file_bytes: int = 400_000,
                 if 0 < size <= max_file_bytes:
                     out.append({"root": name, "path": str(p.relative_to(root)),
                                 "bytes": size, "_abs": str(p)})
-    out.sort(key=lambda f: (f["root"], f["path"]))
+    out.sort(key=lambda f: (f["root"] != "stdlib", f["root"], f["path"]))
+    site = [f for f in out if f["root"] != "stdlib"]
+    total = sum(f["bytes"] for f in site)
+    if max_site_bytes is not None and total > max_site_bytes:
+        keep = set(range(0, len(site), -(-total // max_site_bytes)))
+        out = [f for f in out if f["root"] == "stdlib"] + \
+            [f for i, f in enumerate(site) if i in keep]
     if max_files is not None and len(out) > max_files:
         # an even spread over the sorted list (deterministic), not the first N
         step = len(out) / max_files
@@ -85,9 +92,10 @@ def split_files(files: list[dict], heldout_frac: float, seed: int) -> None:
 
 
 def load_corpus(site_packages: bool, heldout_frac: float, seed: int,
-                max_file_bytes: int, max_files: int | None):
+                max_file_bytes: int, max_files: int | None,
+                max_site_bytes: int | None = None):
     """(texts by split, file list for corpus.json)."""
-    files = list_files(site_packages, max_file_bytes, max_files)
+    files = list_files(site_packages, max_file_bytes, max_files, max_site_bytes)
     texts = {"train": [], "heldout": []}
     kept = []
     for f in files:
@@ -122,8 +130,10 @@ def corpus_record(files: list[dict], site_packages: bool, seed: int,
     }
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, max_bytes: int | None = None):
-    """Byte-level BPE on (at most max_bytes of) the train texts; specials get ids 0-2."""
+def train_tokenizer(texts: list[str], vocab_size: int, max_bytes: int | None = None,
+                    seed: int = 0):
+    """Byte-level BPE on (a seeded sample of at most max_bytes of) the train texts;
+    the specials get ids 0-2."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -134,7 +144,9 @@ def train_tokenizer(texts: list[str], vocab_size: int, max_bytes: int | None = N
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     if max_bytes is not None:
         sel, n = [], 0
-        for t in texts:
+        order = list(range(len(texts)))
+        random.Random(seed).shuffle(order)
+        for t in (texts[i] for i in order):
             if n >= max_bytes:
                 break
             sel.append(t)

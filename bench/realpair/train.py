@@ -336,8 +336,11 @@ def main(argv=None) -> int:
                     help="stop the target at this many steps if the time lasts "
                          "(--tiny: 150, so CPU runs are deterministic)")
     ap.add_argument("--drafter-steps", type=int, default=None, help="(--tiny: 500)")
-    ap.add_argument("--site-packages", action="store_true",
-                    help="add the interpreter's site-packages .py files to the corpus")
+    ap.add_argument("--corpus", choices=("stdlib", "stdlib+site"), default=None,
+                    help="the standard library's .py files, plus an even spread of the "
+                         "interpreter's site-packages .py files up to --site-mb MB "
+                         "(default: stdlib+site on the GPU preset, stdlib with --tiny)")
+    ap.add_argument("--site-mb", type=float, default=40.0)
     ap.add_argument("--heldout-frac", type=float, default=0.05)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a preset value, e.g. --set layers=8")
@@ -377,11 +380,12 @@ def main(argv=None) -> int:
 
     # corpus + tokenizer
     t = time.perf_counter()
-    texts, files = corpus.load_corpus(args.site_packages, args.heldout_frac, args.seed,
-                                      400_000, p["max_files"])
-    corpus.dump(out / "corpus.json", corpus.corpus_record(files, args.site_packages,
-                                                          args.seed, args.heldout_frac))
-    tok = corpus.train_tokenizer(texts["train"], p["vocab"], p["tok_bytes"])
+    site = (args.corpus or ("stdlib" if args.tiny else "stdlib+site")) == "stdlib+site"
+    texts, files = corpus.load_corpus(site, args.heldout_frac, args.seed, 400_000,
+                                      p["max_files"], int(args.site_mb * 1e6))
+    corpus.dump(out / "corpus.json", corpus.corpus_record(files, site, args.seed,
+                                                          args.heldout_frac))
+    tok = corpus.train_tokenizer(texts["train"], p["vocab"], p["tok_bytes"], args.seed)
     corpus.save_tokenizer(tok, tdir)
     train_stream, _ = corpus.encode_stream(tok, texts["train"])
     held_stream, held_starts = corpus.encode_stream(tok, texts["heldout"])
