@@ -238,14 +238,18 @@ def main(argv=None) -> int:
                                          "ddtree128,ddtree256")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--temps", default="0,1")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--b1-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="default: prompts.json's (train.py's measure_max_tokens)")
+    ap.add_argument("--b1-prompts", type=int, default=None,
+                    help="prompts of the batch-1 jobs (default: prompts.json's)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--gpu-mem", type=float, default=0.08)
     args = ap.parse_args(argv)
     pair_dir, out = Path(args.pair_dir), Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pj = json.load(open(pair_dir / "prompts.json"))
+    args.max_tokens = args.max_tokens or pj.get("max_tokens", 128)
+    args.b1_prompts = args.b1_prompts or pj.get("b1_prompts", 8)
     block = int(json.load(open(pair_dir / "drafter" / "config.json"))["block_size"])
     batches = [int(x) for x in args.batches.split(",")]
     temps = [float(x) for x in args.temps.split(",")]

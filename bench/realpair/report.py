@@ -138,7 +138,32 @@ def train_lines(t: dict) -> list[str]:
         + ", ".join(f"B={b} {v['tau']:.2f}" for b, v in oa["tree"].items()),
         "  top-1 per depth: " + " ".join(f"{x:.2f}" for x in oa["top1_per_depth"]),
         "  chain accept per depth: " + " ".join(f"{x:.2f}" for x in oa["chain_accept_per_depth"]),
+        "  drafter p(target token) per depth: "
+        + " ".join(f"{x:.2f}" for x in oa["p_true_per_depth"]),
     ]
+
+
+def consistency_lines(t: dict, doc: dict) -> list[str]:
+    """Offline trajectory tau (train.py, the same prompts and drafter, fp32/bf16 torch)
+    next to vLLM's measured T = 0 tau: the served drafter is the trained one when they
+    agree (up to numerics flipping a near-tie)."""
+    oa, cfgs = t["offline_acceptance"], doc["configs"]
+    out = []
+    for key, job in (("trajectory_b1", "b1_t0"),
+                     ("trajectory", f"b{max(doc['meta']['batches'])}_t0")):
+        tr = oa.get(key)
+        if not tr:
+            continue
+        cells = []
+        for name, r in cfgs.items():
+            k = "chain" if r.get("kind") == "chain" else str(r.get("k"))
+            got = r.get("jobs", {}).get(job, {}).get("tau")
+            if r.get("kind") != "nospec" and k in tr and got is not None:
+                cells.append(f"{name} {tr[k]['tau']:.2f}/{got:.2f}")
+        if cells:
+            out.append(f"tau offline/vLLM, {job} ({tr['prompts']} prompts x "
+                       f"{tr['max_tokens']} tokens): " + ", ".join(cells))
+    return out
 
 
 def main(argv) -> int:
@@ -147,12 +172,15 @@ def main(argv) -> int:
     from pathlib import Path
 
     out = Path(argv[0])
-    lines = []
+    lines, t = [], None
     if (out / "train.json").exists():
-        lines += train_lines(json.load(open(out / "train.json"))) + [""]
+        t = json.load(open(out / "train.json"))
+        lines += train_lines(t) + [""]
     if (out / "measure.json").exists():
         doc = json.load(open(out / "measure.json"))
         lines.append(table(doc))
+        if t:
+            lines += [""] + consistency_lines(t, doc)
         if not (out / "measure.png").exists():
             try:
                 plot(doc, out / "measure.png")

@@ -10,8 +10,11 @@
 # env: STAGES ("train measure"; --tiny adds "check": drafter logits == vLLM's on vllm-cpu),
 #      DEADLINE (s, default 560: every stage is cut to what is left), WORK (the pair's
 #      weights, default /tmp/realpair-work: not returned), TARGET_SECONDS GEN_SECONDS
-#      DRAFTER_SECONDS, CONFIGS BATCHES TEMPS MAX_TOKENS B1_PROMPTS, MEASURE_ARGS,
-#      TRAIN_ARGS, PYTHON (GPU), VLLM_CPU_PYTHON + DEV_PYTHON (--tiny).
+#      DRAFTER_SECONDS, CONFIGS BATCHES TEMPS, MAX_TOKENS B1_PROMPTS (default: the pair's
+#      prompts.json), MEASURE_ARGS,
+#      TRAIN_ARGS, PYTHON + VB + REFRESH_PAYLOAD=1 (GPU: copy this checkout's DDTree
+#      payload into the install first, as bench/gpu/run_all.sh does), VLLM_CPU_PYTHON +
+#      DEV_PYTHON (--tiny).
 # OUTDIR gets few files (the device returns at most 8): summary.txt, train.json,
 # corpus.json, measure.json, measure.png, results.tgz (logs, prompts, configs, walk stats).
 set -u
@@ -58,16 +61,22 @@ if [ "$TINY" = 1 ]; then
   # step caps (train.py --tiny: 150 / 500) end training first on an idle machine
   T_TARGET=${TARGET_SECONDS:-60} T_GEN=${GEN_SECONDS:-5} T_DRAFT=${DRAFTER_SECONDS:-60}
   CONFIGS=${CONFIGS:-nospec,chain,ddtree8,ddtree32}
-  BATCHES=${BATCHES:-1,4} MAX_TOKENS=${MAX_TOKENS:-24} B1_PROMPTS=${B1_PROMPTS:-4}
+  BATCHES=${BATCHES:-1,4}
   TRAIN_ARGS="--tiny ${TRAIN_ARGS:-}"
 else
   STAGES=${STAGES:-"train measure"}
   VB=${VB:-/tmp/vb}
   [ -d "$VB/vllm_slim" ] && export PYTHONPATH=$VB/vllm_slim:$VB/site:${PYTHONPATH:-}
+  export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}  # 0.3x on torch 2.11
+  if [ "${REFRESH_PAYLOAD:-0}" = 1 ]; then  # this checkout's DDTree payload into the install
+    DDT=$VB/vllm_slim/vllm/v1/spec_decode/ddtree
+    mkdir -p "$DDT/core" && cp "$ROOT"/patches/ddtree/payload/*.py "$DDT/" &&
+      cp "$ROOT"/ddtree_patcher/core/*.py "$DDT/core/" && rm -rf "$DDT/__pycache__" "$DDT/core/__pycache__"
+  fi
   PY=${PYTHON:-python3}
   T_TARGET=${TARGET_SECONDS:-140} T_GEN=${GEN_SECONDS:-20} T_DRAFT=${DRAFTER_SECONDS:-90}
   CONFIGS=${CONFIGS:-nospec,chain,ddtree64,ddtree16,ddtree256,ddtree32,ddtree128}
-  BATCHES=${BATCHES:-1,16} MAX_TOKENS=${MAX_TOKENS:-128} B1_PROMPTS=${B1_PROMPTS:-8}
+  BATCHES=${BATCHES:-1,16}
   TRAIN_ARGS=${TRAIN_ARGS:-}
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
     > "$WORK/logs/gpu.txt" 2>&1
@@ -95,7 +104,8 @@ for s in $STAGES; do
       # shellcheck disable=SC2086
       timeout "$(left 400)" "$PY" "$HERE/measure.py" "$WORK/pair" "$WORK/measure" \
         --configs "$CONFIGS" --batches "$BATCHES" --temps "$TEMPS" \
-        --max-tokens "$MAX_TOKENS" --b1-prompts "$B1_PROMPTS" ${MEASURE_ARGS:-} \
+        ${MAX_TOKENS:+--max-tokens $MAX_TOKENS} ${B1_PROMPTS:+--b1-prompts $B1_PROMPTS} \
+        ${MEASURE_ARGS:-} \
         > "$WORK/logs/measure_log.txt" 2>&1
       echo "rc=$?"; grep -E " tau |FAILED|Error" "$WORK/logs/measure_log.txt" | cut -c1-200 | tail -40
       cp "$WORK/measure/measure.json" "$WORK/measure/measure.png" "$OUTDIR/" 2>/dev/null ;;

@@ -39,17 +39,18 @@ PRESETS = {
                 head_dim=64, seq=512, batch=48, lr=2e-3,
                 d_layers=2, d_aux=3, block=16, d_batch=48, d_blocks=16, d_lr=1.5e-3,
                 gen_batch=768, gen_prompt=(64, 192), gen_len=256, gen_max_seqs=12288,
-                eval_prompts=64, eval_prompt_len=128, eval_gen=192, eval_stride=4,
-                eval_max_anchors=1024, measure_prompts=16, max_files=None,
-                tok_bytes=12_000_000, budgets=(16, 32, 64, 128, 256)),
+                eval_prompts=64, eval_prompt_len=128, eval_gen=160, eval_stride=4,
+                eval_max_anchors=1024, measure_prompts=16, measure_max_tokens=128,
+                b1_prompts=8, max_files=None, tok_bytes=12_000_000,
+                budgets=(16, 32, 64, 128, 256)),
     # CPU smoke run of the whole pipeline (minutes on 2 cores)
     "tiny": dict(vocab=1024, hidden=128, inter=256, layers=4, heads=2, kv_heads=1,
                  head_dim=64, seq=128, batch=8, lr=3e-3,
                  d_layers=1, d_aux=2, block=8, d_batch=8, d_blocks=4, d_lr=3e-3,
                  gen_batch=32, gen_prompt=(24, 40), gen_len=56, gen_max_seqs=96,
                  eval_prompts=8, eval_prompt_len=32, eval_gen=48, eval_stride=4,
-                 eval_max_anchors=64, measure_prompts=4, max_files=160,
-                 tok_bytes=1_500_000, budgets=(8, 16, 32)),
+                 eval_max_anchors=64, measure_prompts=4, measure_max_tokens=24,
+                 b1_prompts=4, max_files=160, tok_bytes=1_500_000, budgets=(8, 16, 32)),
 }
 
 
@@ -291,25 +292,50 @@ def train_drafter(drafter, target, cap, data, p, seconds, dev, seed, mask_id, re
 
 
 @torch.no_grad()
-def evaluate(drafter, target, cap, seqs, prompt_len, p, dev, mask_id):
-    """Offline acceptance on held-out greedy continuations (accept.summarize)."""
+def drafter_logprobs(drafter, target, cap, x, anchors, p, dev, mask_id):
+    """log-probs [N * nb, block-1, V] and truths at the given anchors [N, nb]."""
     block = p["block"]
+    with autocast(dev):
+        _, logits, labels = drafter_loss(drafter, target, cap, x, anchors, block,
+                                         mask_id, torch.ones(block - 1, device=dev))
+    v = logits.shape[-1]
+    return (logits.float().log_softmax(-1).reshape(-1, block - 1, v),
+            labels.reshape(-1, block - 1))
+
+
+@torch.no_grad()
+def evaluate(drafter, target, cap, seqs, prompt_len, p, dev, mask_id):
+    """Offline acceptance on held-out greedy continuations: over anchors spread along
+    every continuation, and along the decodes measure.py runs (the first
+    measure_prompts prompts, measure_max_tokens tokens; accept.trajectory_tau)."""
     drafter.eval()
+    block, budgets = p["block"], p["budgets"]
     lo, hi = prompt_len, seqs.shape[1] - block
-    anchors_all = list(range(lo, hi + 1, p["eval_stride"]))
-    per_seq = max(1, min(len(anchors_all), p["eval_max_anchors"] // seqs.shape[0]))
-    anchors_all = anchors_all[:: max(1, len(anchors_all) // per_seq)][:per_seq]
-    lps, truths = [], []
+    spread = list(range(lo, hi + 1, p["eval_stride"]))
+    per_seq = max(1, min(len(spread), p["eval_max_anchors"] // seqs.shape[0]))
+    spread = spread[:: max(1, len(spread) // per_seq)][:per_seq]
+    parts = []
     for i in range(0, seqs.shape[0], 16):
         x = seqs[i: i + 16].to(dev)
-        anchors = torch.tensor(anchors_all, device=dev).expand(x.shape[0], -1).contiguous()
-        with autocast(dev):
-            _, logits, labels = drafter_loss(drafter, target, cap, x, anchors, block,
-                                             mask_id, torch.ones(block - 1, device=dev))
-        lps.append(logits.float().log_softmax(-1).reshape(-1, block - 1,
-                                                         logits.shape[-1]).cpu())
-        truths.append(labels.reshape(-1, block - 1).cpu())
-    return accept.summarize(torch.cat(lps), torch.cat(truths), p["budgets"])
+        anchors = torch.tensor(spread, device=dev).expand(x.shape[0], -1).contiguous()
+        parts.append(accept.per_anchor(*drafter_logprobs(drafter, target, cap, x, anchors,
+                                                         p, dev, mask_id), budgets))
+    res = accept.summarize(accept.merge(parts), budgets)
+    m, mt = p["measure_prompts"], p["measure_max_tokens"]
+    if seqs.shape[1] - prompt_len < mt + block - 1:
+        raise ValueError("eval_gen must cover measure_max_tokens + block - 1")
+    traj = []
+    for i in range(m):
+        x = seqs[i: i + 1].to(dev)
+        anchors = torch.arange(prompt_len, prompt_len + mt, device=dev).unsqueeze(0)
+        traj.append(accept.per_anchor(*drafter_logprobs(drafter, target, cap, x, anchors,
+                                                        p, dev, mask_id), budgets))
+    res["trajectory"] = {"prompts": m, "max_tokens": mt,
+                         **accept.trajectory_tau(traj, mt, budgets)}
+    b1 = p["b1_prompts"]
+    res["trajectory_b1"] = {"prompts": b1, "max_tokens": mt,
+                            **accept.trajectory_tau(traj[:b1], mt, budgets)}
+    return res
 
 
 def distinct_ngrams(seqs: torch.Tensor, start: int, n: int = 4) -> float:
@@ -469,10 +495,15 @@ def main(argv=None) -> int:
     log("offline acceptance: chain tau", round(oa["chain_tau"], 3), "tree tau",
         {b: round(v["tau"], 3) for b, v in oa["tree"].items()})
     log("top-1 per depth", oa["top1_per_depth"])
+    for key, job in (("trajectory_b1", "b1_t0"), ("trajectory", "bN_t0")):
+        log(f"{key} tau (what measure.py's {job} should show):",
+            {k: round(v["tau"], 3) for k, v in oa[key].items() if isinstance(v, dict)})
     m = p["measure_prompts"]
     corpus.dump(pdir / "prompts.json", {
         "prompts": prompts[:m].tolist(), "hf_greedy": seqs[:m, p["eval_prompt_len"]:].tolist(),
-        "prompt_len": p["eval_prompt_len"], "source": "held-out files, seeded windows",
+        "prompt_len": p["eval_prompt_len"], "max_tokens": p["measure_max_tokens"],
+        "b1_prompts": p["b1_prompts"],
+        "source": "held-out files, seeded windows",
         "text": [tok.decode(r) for r in prompts[:m, -48:].tolist()]})
     clock.stage("evaluate", t)
     res["stages_s"] = clock.stages

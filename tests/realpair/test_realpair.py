@@ -139,9 +139,29 @@ def test_tree_accepts_through_a_sibling_the_chain_misses():
     assert accept.tree_accepted(lp, truth, 1) == 0
     # pop order: 0, 0-2, 0-2-0 (score -0.51 each), then the sibling 1 (-0.92), 1-2, 1-2-0
     assert [accept.tree_accepted(lp, truth, b) for b in range(1, 8)] == [0, 0, 0, 1, 2, 3, 3]
-    s = accept.summarize(lp.unsqueeze(0), truth.unsqueeze(0), [1, 8])
+    s = accept.summarize(accept.per_anchor(lp.unsqueeze(0), truth.unsqueeze(0), [1, 8]),
+                         [1, 8])
     assert s["chain_tau"] == 1.0 and s["tree"]["8"]["tau"] == 4.0
+    assert s["tree"]["1"]["tau"] == 1.0
     assert s["chain_accept_per_depth"] == [0.0, 0.0, 0.0]
+    assert s["top1_per_depth"] == [0.0, 1.0, 1.0]
+
+
+def test_smaller_budgets_are_the_first_pops_of_the_largest():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        lp = (torch.randn(5, 12, generator=g, dtype=torch.float64) * 2).log_softmax(-1)
+        truth = torch.multinomial(lp.exp(), 1, generator=g).squeeze(-1)
+        acc = accept.per_anchor(lp.unsqueeze(0), truth.unsqueeze(0), [2, 5, 9, 30])
+        for b in (2, 5, 9, 30):
+            assert acc[str(b)][0] == accept.tree_accepted(lp, truth, b)
+
+
+def test_trajectory_visits_the_anchors_a_decode_lands_on():
+    acc = [2, 0, 0, 1, 0, 3, 0, 0, 0, 5, 9]
+    assert accept.trajectory(acc, 10) == [2, 1, 3, 5]  # bonus at 0, 3, 5, 9
+    t = accept.trajectory_tau([{"chain": acc, "4": acc}], 10, [4])
+    assert t["chain"] == {"tau": 1 + 11 / 4, "steps": 4}
 
 
 @pytest.mark.parametrize("budget", [3, 5])
