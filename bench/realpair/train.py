@@ -176,7 +176,7 @@ def greedy(model, prompts: torch.Tensor, n_new: int, dev) -> torch.Tensor:
     model.eval()
     x = prompts.to(dev).long()
     with autocast(dev):
-        out = model(input_ids=x, use_cache=True)
+        out = model(input_ids=x, use_cache=True, logits_to_keep=1)
         past = out.past_key_values
         nxt = out.logits[:, -1].argmax(-1)
         toks = [nxt]
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target-steps", type=int, default=None,
                     help="stop the target at this many steps if the time lasts "
                          "(--tiny: 150, so CPU runs are deterministic)")
-    ap.add_argument("--drafter-steps", type=int, default=None, help="(--tiny: 500)")
+    ap.add_argument("--drafter-steps", type=int, default=None, help="(--tiny: 400)")
     ap.add_argument("--corpus", choices=("stdlib", "stdlib+site"), default=None,
                     help="the standard library's .py files, plus an even spread of the "
                          "interpreter's site-packages .py files up to --site-mb MB "
@@ -377,11 +377,11 @@ def main(argv=None) -> int:
         if k not in p:
             ap.error(f"unknown preset key {k}")
         p[k] = json.loads(v)
-    secs = {"target": args.target_seconds or (60 if args.tiny else 140),
+    secs = {"target": args.target_seconds or (60 if args.tiny else 120),
             "gen": args.gen_seconds or (5 if args.tiny else 20),
-            "drafter": args.drafter_seconds or (60 if args.tiny else 90)}
+            "drafter": args.drafter_seconds or (60 if args.tiny else 80)}
     steps = {"target": args.target_steps or (150 if args.tiny else None),
-             "drafter": args.drafter_steps or (500 if args.tiny else None)}
+             "drafter": args.drafter_steps or (400 if args.tiny else None)}
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
