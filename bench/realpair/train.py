@@ -81,6 +81,28 @@ def progress(t0, seconds, step, max_steps) -> float:
     return max(frac, step / max_steps) if max_steps else frac
 
 
+def schedule(opt, base_lr, seconds, max_steps):
+    """Yields (step, progress) until the wall-clock budget or the step cap is spent,
+    setting every step's learning rate (warm-up, cosine by progress)."""
+    t0, step = time.perf_counter(), 0
+    while (frac := progress(t0, seconds, step, max_steps)) < 1.0:
+        for gr in opt.param_groups:
+            gr["lr"] = base_lr * lr_at(frac)
+        yield step, frac
+        step += 1
+
+
+def update(opt, loss, params, ema):
+    """One optimizer step (grad-norm clip 1.0); returns the loss's running mean, kept
+    on the device (no host sync per step: the CPU keeps queueing kernels ahead)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    lv = loss.detach().float()
+    return lv if ema is None else 0.98 * ema + 0.02 * lv
+
+
 def autocast(dev):
     if dev.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -126,12 +148,7 @@ def train_target(model, train_stream, held_stream, p, seconds, dev, seed, res,
     step, curve, ema = 0, [], None
     best = (float("inf"), None, 0)
     next_eval = 0.0
-    while True:
-        frac = progress(t0, seconds, step, max_steps)
-        if frac >= 1.0:
-            break
-        for gr in opt.param_groups:
-            gr["lr"] = p["lr"] * lr_at(frac)
+    for step, frac in schedule(opt, p["lr"], seconds, max_steps):
         starts = torch.randint(0, n_start, (bs,), generator=g).to(dev)
         idx = starts[:, None] + torch.arange(seq + 1, device=dev)
         rows = stream[idx].long()
@@ -139,18 +156,12 @@ def train_target(model, train_stream, held_stream, p, seconds, dev, seed, res,
             logits = model(input_ids=rows[:, :-1]).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                rows[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        ema = update(opt, loss, model.parameters(), ema)
         step += 1
-        if step % 25 == 0 or frac >= next_eval:
-            lv = float(loss.detach())
-            ema = lv if ema is None else 0.9 * ema + 0.1 * lv
         if frac >= next_eval:  # held-out loss ~10 times per run; keep the best
             hl = heldout_loss(model, held_stream, seq, dev, max_windows=64)
             curve.append({"s": round(time.perf_counter() - t0, 1), "step": step,
-                          "train_loss": round(ema, 4), "heldout_loss": round(hl, 4)})
+                          "train_loss": round(float(ema), 4), "heldout_loss": round(hl, 4)})
             log("target", curve[-1])
             if hl < best[0]:
                 best = (hl, {k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -255,12 +266,7 @@ def train_drafter(drafter, target, cap, data, p, seconds, dev, seed, mask_id, re
     step, curve, ema = 0, [], None
     next_log = 0.0
     drafter.train()
-    while True:
-        frac = progress(t0, seconds, step, max_steps)
-        if frac >= 1.0:
-            break
-        for gr in opt.param_groups:
-            gr["lr"] = p["d_lr"] * lr_at(frac)
+    for step, frac in schedule(opt, p["d_lr"], seconds, max_steps):
         toks, pl = data[int(torch.randint(0, len(data), (1,), generator=g))]
         rows = torch.randint(0, toks.shape[0], (p["d_batch"],), generator=g).to(toks.device)
         x = toks[rows]
@@ -269,18 +275,12 @@ def train_drafter(drafter, target, cap, data, p, seconds, dev, seed, mask_id, re
         with autocast(dev):
             loss, logits, labels = drafter_loss(drafter, target, cap, x, anchors, block,
                                                 mask_id, weights)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        ema = update(opt, loss, drafter.parameters(), ema)
         step += 1
-        if step % 25 == 0 or frac >= next_log:
-            lv = float(loss.detach())
-            ema = lv if ema is None else 0.9 * ema + 0.1 * lv
         if frac >= next_log:
             acc = (logits.argmax(-1) == labels).float().mean((0, 1))
             curve.append({"s": round(time.perf_counter() - t0, 1), "step": step,
-                          "loss": round(ema, 4),
+                          "loss": round(float(ema), 4),
                           "top1_d1": round(float(acc[0]), 3),
                           "top1_last": round(float(acc[-1]), 3)})
             log("drafter", curve[-1])
