@@ -289,8 +289,9 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             llm = engine(pair_dir, spec, args, cuda, max(batches), max_len)
             r["init_s"] = round(time.perf_counter() - t0, 2)
-            run_job(llm, prompts[:max(batches)], max(batches), 0.0, 8)  # warm-up
-            run_job(llm, prompts[:1], 1, 1.0, 8)
+            for n in batches:  # warm-up: every job shape once (graphs, Triton JIT)
+                for t in temps:
+                    run_job(llm, prompts[:n], n, t, 8)
             for n in batches:
                 ps = prompts[: args.b1_prompts] if n == 1 else prompts[:n]
                 for t in temps:
