@@ -11,10 +11,11 @@
 #      DEADLINE (s, default 560: every stage is cut to what is left), WORK (the pair's
 #      weights, default /tmp/realpair-work: not returned), TARGET_SECONDS GEN_SECONDS
 #      DRAFTER_SECONDS, CONFIGS BATCHES TEMPS, MAX_TOKENS B1_PROMPTS (default: the pair's
-#      prompts.json), MEASURE_ARGS,
-#      TRAIN_ARGS, PYTHON + VB + REFRESH_PAYLOAD=1 (GPU: copy this checkout's DDTree
-#      payload into the install first, as bench/gpu/run_all.sh does), VLLM_CPU_PYTHON +
-#      DEV_PYTHON (--tiny).
+#      prompts.json), MEASURE_ARGS, TRAIN_ARGS.
+#      GPU: PYTHON, VB, REFRESH_PAYLOAD=1 (copy this checkout's DDTree payload, and the
+#      GPU_PATCH overlay if given, into the install first, as bench/gpu/run_all.sh does).
+#      --tiny: VLLM_CPU_PYTHON (stock env, read-only), DEV_PYTHON (imports this checkout's
+#      ddtree_patcher; patches the env copy).
 # OUTDIR gets few files (the device returns at most 8): summary.txt, train.json,
 # corpus.json, measure.json, measure.png, results.tgz (logs, prompts, configs, walk stats).
 set -u
@@ -69,6 +70,11 @@ else
   [ -d "$VB/vllm_slim" ] && export PYTHONPATH=$VB/vllm_slim:$VB/site:${PYTHONPATH:-}
   export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}  # 0.3x on torch 2.11
   if [ "${REFRESH_PAYLOAD:-0}" = 1 ]; then  # this checkout's DDTree payload into the install
+    # (+ GPU_PATCH: an overlay of patched upstream files, bench/gpu/make_overlay.py)
+    if [ -n "${GPU_PATCH:-}" ]; then
+      case "$GPU_PATCH" in /*) ;; *) GPU_PATCH="$ROOT/$GPU_PATCH";; esac
+      cp -r "$GPU_PATCH/." "$VB/vllm_slim/" || exit 3
+    fi
     DDT=$VB/vllm_slim/vllm/v1/spec_decode/ddtree
     mkdir -p "$DDT/core" && cp "$ROOT"/patches/ddtree/payload/*.py "$DDT/" &&
       cp "$ROOT"/ddtree_patcher/core/*.py "$DDT/core/" && rm -rf "$DDT/__pycache__" "$DDT/core/__pycache__"
