@@ -87,18 +87,24 @@ class DDTreeSpeculator(DFlashSpeculator):
         if not dummy:
             self.runtime.commit(batch, a["last_hidden_states"], a["aux_hidden_states"])
         super().propose(*args, **kwargs)
-        n = batch.num_reqs
         if a.get("num_speculative_tokens") == 0:  # no drafts wanted (0.33: skip_drafts)
-            return torch.full((n, self.ddtree_budget), -1, dtype=torch.int64,
+            return torch.full((batch.num_reqs, self.ddtree_budget), -1, dtype=torch.int64,
                               device=self.device)
+        return self.build_trees(batch, store=not dummy)
+
+    def build_trees(self, batch, store: bool) -> torch.Tensor:
+        """Trees from the kept top-K of this step's drafts (synthetic ones for profile
+        prompts); stored by slot unless ``store`` is False (dummy runs); returns the
+        [N, B] tokens in pop order."""
+        n = batch.num_reqs
         L, k = self.num_speculative_steps, self.topk
         vals = self._top_vals[: n * L].view(n, L, k)
         idx = self._top_idx[: n * L].view(n, L, k)
         lse = self._lse[: n * L].view(n, L)
-        if self.synthetic is not None and not dummy:
+        if self.synthetic is not None and store:
             self._synthetic(batch, vals, idx, lse)
         tree = build_tree_from_topk(vals, idx, self.ddtree_budget, self.ddtree_budget, lse)
-        if not dummy:
+        if store:
             self.trees.store(batch.idx_mapping, tree)
         return tree.tokens
 
