@@ -74,7 +74,7 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
 
     kw = dict(model=m["target"], skip_tokenizer_init=True, dtype=a.dtype, seed=0,
               max_model_len=512, max_num_seqs=N_PROMPTS, gpu_memory_utilization=0.1,
-              attention_backend=a.attn, enforce_eager=eager)
+              attention_backend=a.attn, enforce_eager=eager, disable_log_stats=False)
     if not eager:  # the verify steps' shapes (1 + B per request) and the drafter's (1 + L)
         qs = {1 + a.budget, 1 + min(a.depth, a.budget)} if mode == "ddtree" else {1}
         sizes = sorted({k * q for q in qs for k in range(1, N_PROMPTS + 1)})
@@ -142,6 +142,27 @@ def generate(llm, toks, logprobs: bool):
     return res
 
 
+COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts",
+            "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+            "vllm:generation_tokens": "num_generation_tokens"}
+
+
+def metrics(llm) -> dict:
+    """vLLM's spec-decode counters (summed over label sets)."""
+    out: dict = {}
+    for m in llm.get_metrics():
+        if m.name in COUNTERS:
+            out[COUNTERS[m.name]] = out.get(COUNTERS[m.name], 0) + int(getattr(m, "value", 0))
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = [int(v) for v in getattr(m, "values", [])]
+            old = out.get("accepted_per_pos", [])
+            out["accepted_per_pos"] = [(old[i] if i < len(old) else 0) +
+                                       (vals[i] if i < len(vals) else 0)
+                                       for i in range(max(len(old), len(vals)))]
+    return out
+
+
 def _gap(step) -> float:
     vals = sorted((lp.logprob for lp in step.values()), reverse=True)
     return float(vals[0] - vals[1]) if len(vals) > 1 else float("inf")
@@ -164,6 +185,10 @@ def run(name, res, out, a, m, toks, mode, eager, **kw):
         finally:
             undo()
         r["eager_tree_attention_calls"] = box["n"]
+        try:
+            r["metrics"] = metrics(llm)
+        except Exception as e:  # noqa: BLE001
+            r["metrics"] = {"error": repr(e)}
         if mode == "ddtree" and os.path.exists(stats):
             r["walk"] = json.loads(Path(stats).read_text())
         C.teardown(llm)
@@ -210,12 +235,32 @@ def checks(name: str, r: dict, a) -> list[str]:
         w = r.get("walk") or {}
         if not w.get("trees"):
             bad.append("no tree was walked")
+        bad += metric_problems(r.get("metrics") or {}, w, min(a.depth, a.budget))
     if a.attn not in b.get("backends", []):
         bad.append(f"backends {b.get('backends')}")
     if a.graphs and name != "ddtree_eager":
         for k in ("target_graphs", "drafter_graphs") if name != "nospec" else ("target_graphs",):
             if str(b.get(k, "")).endswith(" 0 captured") or k not in b:
                 bad.append(f"{k}: {b.get(k)} (FULL graphs expected)")
+    return bad
+
+
+def metric_problems(m: dict, w: dict, depth: int) -> list[str]:
+    """vLLM's spec-decode counters must agree with the walk: accepted tokens = accepted
+    tree nodes (minus what max_tokens cut), accepted_per_pos sums to them, and every
+    emitted token is an accepted node or one bonus per request and step."""
+    if "num_drafts" not in m:
+        return [f"no spec-decode metrics: {m}"]
+    bad = []
+    acc, drafts = m["num_accepted_tokens"], m["num_drafts"]
+    if not 0 < drafts <= w.get("trees", 0) or acc > w.get("accepted", 0):
+        bad.append(f"metrics {m} vs walk {w}")
+    if sum(m.get("accepted_per_pos", [])) != acc:
+        bad.append(f"accepted_per_pos {m.get('accepted_per_pos')} != {acc}")
+    produced = acc + drafts + N_PROMPTS  # + the prefill's first token per request
+    if not m["num_generation_tokens"] <= produced < m["num_generation_tokens"] + \
+            N_PROMPTS * (depth + 1):
+        bad.append(f"emitted {m['num_generation_tokens']} vs accepted + bonus {produced}")
     return bad
 
 
