@@ -7,7 +7,7 @@ Runs on CPU (torch references), on CPU through the Triton interpreter
 (TRITON_INTERPRET=1: the fused kernels, compared with the references) and on CUDA.
 The three vLLM helpers the sampler imports are stubbed here with torch versions of
 their V2 semantics when vLLM is not importable (the dev env has no vLLM); the real
-ones run in test_v2_real_helpers.py."""
+ones run in tests/engine/test_v2_helpers.py."""
 
 import sys
 import types
