@@ -2,12 +2,12 @@
 tree of B drafts, plus the added package vllm/v1/spec_decode/ddtree) and
 ``ddtree-sampler`` (verify the whole tree in one target pass, walk it, commit the
 accepted path).  Hooks per version family: ``v0_20`` (0.20.0-0.20.2, CUDA tree
-attention) and ``v0_32`` (0.32.0, 0.33.0)."""
+attention) and ``v0_32`` (0.32.0, 0.33.0; ``v2_v0_32``: their V2 model runner)."""
 
 from pathlib import Path
 
 from ..framework import AddedFile, Family, Transform
-from . import v0_20, v0_32
+from . import v0_20, v0_32, v2_v0_32
 
 PAYLOAD = Path(__file__).parent / "payload"
 
@@ -42,7 +42,8 @@ PROPOSER = Transform(
                                             v0_20.PROPOSER_RUNNER_EDIT, v0_20.INPUT_EDIT),
                      added=_added()),
               Family(versions=V0_32, edits=(v0_32.SPEC_EDIT, v0_32.VLLM_EDIT,
-                                            v0_32.PROPOSER_RUNNER_EDIT, v0_32.INPUT_EDIT),
+                                            v0_32.PROPOSER_RUNNER_EDIT, v0_32.INPUT_EDIT,
+                                            *v2_v0_32.PROPOSER_EDITS),
                      added=_added())),
 )
 
@@ -55,6 +56,6 @@ SAMPLER = Transform(
                                             v0_20.FLASH_EDIT, v0_20.FLEX_EDIT)),
               Family(versions=V0_32, edits=(v0_32.SAMPLER_RUNNER_EDIT,
                                             v0_32.CPU_ATTN_EDIT, v0_32.FLASH_EDIT,
-                                            v0_32.TRITON_EDIT))),
+                                            v0_32.TRITON_EDIT, *v2_v0_32.SAMPLER_EDITS))),
     requires=("ddtree-proposer",),
 )

@@ -99,9 +99,11 @@ VLLM_EDIT = file_edit(VLLM, [
         insert_near, qualname="VllmConfig._get_v2_model_runner_unsupported_features",
         match=lambda c: c.strip() == "unsupported: list[str] = []",
         code="if getattr(self.speculative_config, 'ddtree_budget', None) is not None:\n"
-             "    unsupported.append('DDTree tree speculative decoding')\n"),
+             f"    from {PKG}.config import ddtree_v2_enabled\n"
+             "    if not ddtree_v2_enabled():\n"
+             "        unsupported.append('DDTree tree speculative decoding')\n"),
         "DDTree tree speculative decoding"),
-], "synchronous scheduling and the V1 runner for DDTree")
+], "synchronous scheduling; the V1 runner for DDTree unless VLLM_DDTREE_V2 allows V2")
 
 PROPOSER_RUNNER_EDIT = file_edit(RUNNER, [
     Step("GPUModelRunner.__init__", partial(

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 METHOD = "ddtree"
+
+# DDTree on vLLM's V2 model runner (0.32/0.33: vllm/v1/worker/gpu/, v2_*.py): off
+# unless VLLM_DDTREE_V2=1 until proven on a GPU; then V2_DEFAULT = True makes it the
+# default wherever vLLM picks V2.
+V2_DEFAULT = False
+
+
+def ddtree_v2_enabled() -> bool:
+    """May DDTree run on the V2 model runner?  VLLM_DDTREE_V2=1/0 overrides V2_DEFAULT."""
+    v = os.environ.get("VLLM_DDTREE_V2", "").strip().lower()
+    return V2_DEFAULT if v == "" else v not in ("0", "false", "no", "off")
 
 
 def ddtree_pre_init(spec) -> None:
@@ -99,8 +112,9 @@ def ddtree_vllm_config(vllm_config) -> None:
     sched.async_scheduling = False
     import vllm.envs as envs
 
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
+    if envs.VLLM_USE_V2_MODEL_RUNNER and not ddtree_v2_enabled():
         raise ValueError("method='ddtree' runs on the V1 model runner: unset "
-                         "VLLM_USE_V2_MODEL_RUNNER")
+                         "VLLM_USE_V2_MODEL_RUNNER (or set VLLM_DDTREE_V2=1 to try "
+                         "the V2 runner path, not yet proven on a GPU)")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("method='ddtree' does not support pipeline parallelism yet")

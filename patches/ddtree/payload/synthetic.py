@@ -55,23 +55,34 @@ class SyntheticDrafter:
         rejected = call.get("num_rejected_tokens_gpu")
         rejected = rejected[:n].cpu() if rejected is not None else torch.zeros_like(seq_lens)
         out = real.clone()
-        vocab = real.shape[-1]
         for i, rid in enumerate(runner.input_batch.req_ids[:n]):
             req = runner.requests.get(rid)
-            seq = self._sequence(req.prompt_token_ids) if req is not None else None
-            if seq is None:
+            if req is None:
                 continue
             bonus_pos = int(seq_lens[i] - rejected[i])  # position of the bonus token
-            for d in range(1, depth + 1):
-                p = bonus_pos + d
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + p * 131 + i)
-                base = torch.randn(vocab, generator=g) * self.peak
-                if p < len(seq):
-                    true = seq[p]
-                    order = torch.argsort(base, descending=True)
-                    r = self._rank(g)
-                    # move the true token to rank r (or to the bottom when absent)
-                    target = order[r] if r >= 0 else order[-1]
-                    base[true], base[target] = base[target].clone(), base[true].clone()
-                out[i, d - 1] = base.to(out.dtype)
+            rows = self.distributions(req.prompt_token_ids, bonus_pos, i, depth,
+                                      real.shape[-1])
+            if rows is not None:
+                out[i] = rows.to(out.dtype)
+        return out
+
+    def distributions(self, prompt, bonus_pos: int, i: int, depth: int, vocab: int):
+        """[depth, vocab] synthetic logits of the request in batch row i whose bonus
+        token sits at bonus_pos, or None when its prompt starts no profile sequence."""
+        seq = self._sequence(prompt)
+        if seq is None:
+            return None
+        out = torch.empty(depth, vocab)
+        for d in range(1, depth + 1):
+            p = bonus_pos + d
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + p * 131 + i)
+            base = torch.randn(vocab, generator=g) * self.peak
+            if p < len(seq):
+                true = seq[p]
+                order = torch.argsort(base, descending=True)
+                r = self._rank(g)
+                # move the true token to rank r (or to the bottom when absent)
+                target = order[r] if r >= 0 else order[-1]
+                base[true], base[target] = base[target].clone(), base[true].clone()
+            out[d - 1] = base
         return out

