@@ -58,13 +58,14 @@ from .tree_build import (
     build_tree,
     build_tree_from_topk,
     canonical_topk,
+    chain_scores,
     quantize_logprobs,
 )
 from .vocab_topk import row_logsumexp, vocab_topk
 from .tree_walk import WalkResult, masses, walk_greedy, walk_sampled
 
 __all__ = [
-    "HAS_TRITON", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "vocab_topk",
+    "HAS_TRITON", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "chain_scores", "vocab_topk",
     "row_logsumexp", "ancestor_mask", "canonical_topk",
     "quantize_logprobs", "heap_build", "reference_tree", "build_tree_ports_style", "WalkResult",
     "walk_greedy", "walk_sampled", "masses", "target_probs", "apply_top_k_top_p", "compact_kv",

@@ -430,23 +430,36 @@ def build_chain_from_topk(
     vals/idx [N, L, K] in any order, lse [N, L] as for build_tree_from_topk."""
     n, L, k = vals.shape
     dev = vals.device
+    m = min(L, max_budget)
+    tok, sc, ok = _chain(vals, idx, lse)
+    tok, sc, ok = tok[:, :m], sc[:, :m], ok[:, :m]
+    pad = max_budget - m
+    j = torch.arange(m, device=dev).expand(n, m)
+    tokens = _pad_right(torch.where(ok, tok, 0), pad, 0)
+    parents = _pad_right(torch.where(ok, j - 1, -1), pad, -1)
+    depths = _pad_right(torch.where(ok, j + 1, 0), pad, 0)
+    scores = _float_scores(_pad_right(sc, pad, S_NEG))
+    pos = torch.cat([torch.zeros(n, 1, dtype=torch.int64, device=dev), depths], 1)
+    mask = ancestor_mask(parents, L, backend) if with_mask else None
+    return DDTree(tokens, parents, depths, ok.sum(1), scores, mask, pos, L, max_budget)
+
+
+def chain_scores(vals: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor | None = None):
+    """Scores [N, L] (float32 log q, like DDTree.scores) of the top-1 chain's prefixes,
+    -inf from the first excluded token on: what the budget controller needs to weigh
+    the chain without building it."""
+    return _float_scores(_chain(vals, idx, lse)[1])
+
+
+def _chain(vals, idx, lse):
+    """(tokens, int64 prefix scores (S_NEG when excluded), valid) of the top-1 chain."""
     best = order_keys(vals, idx).argmax(-1, keepdim=True)
     tok = idx.gather(-1, best).squeeze(-1).to(torch.int64)
     lp = vals.gather(-1, best).squeeze(-1).float()
     q = quantize_logprobs(lp if lse is None else lp - lse.float())
-    m = min(L, max_budget)
-    ok = torch.cumprod((q[:, :m] > Q_NEG).to(torch.int64), 1) > 0
-    sc = torch.cumsum(torch.where(ok, q[:, :m], 0), 1)
-    neg = torch.full((), S_NEG, dtype=torch.int64, device=dev)
-    pad = max_budget - m
-    j = torch.arange(m, device=dev).expand(n, m)
-    tokens = _pad_right(torch.where(ok, tok[:, :m], 0), pad, 0)
-    parents = _pad_right(torch.where(ok, j - 1, -1), pad, -1)
-    depths = _pad_right(torch.where(ok, j + 1, 0), pad, 0)
-    scores = _float_scores(_pad_right(torch.where(ok, sc, neg), pad, S_NEG))
-    pos = torch.cat([torch.zeros(n, 1, dtype=torch.int64, device=dev), depths], 1)
-    mask = ancestor_mask(parents, L, backend) if with_mask else None
-    return DDTree(tokens, parents, depths, ok.sum(1), scores, mask, pos, L, max_budget)
+    ok = torch.cumprod((q > Q_NEG).to(torch.int64), 1) > 0
+    sc = torch.cumsum(torch.where(ok, q, 0), 1)
+    return tok, torch.where(ok, sc, S_NEG), ok
 
 
 def _pad_right(x: torch.Tensor, n: int, value) -> torch.Tensor:
