@@ -35,6 +35,7 @@ from ._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
 TOK_BITS = 20  # vocab ids must be < 2**20
 LOW = (1 << TOK_BITS) - 1
 CH_MAX = 4096  # tokens per chunk of the part kernel (and of row_logsumexp)
+FUSED_MAX = 16384  # largest sort of the select kernel; beyond it 'auto' uses torch
 
 
 def order_keys(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,6 +89,11 @@ def _chunk(v: int) -> int:
 def pick_sub(v: int, k: int) -> int:
     """Sub-block size for the fused path: the power of two that keeps both sorts of the
     select kernel smallest (largest of the two, then their sum)."""
+    return _plan(v, k)[1]
+
+
+def _plan(v: int, k: int) -> tuple[int, int]:
+    """(largest sort, sub-block size) of the fused select kernel."""
     kp, ch = max(2, next_pow2(k)), _chunk(v)
     best = None
     sub = 1
@@ -97,14 +103,15 @@ def pick_sub(v: int, k: int) -> int:
         if best is None or cost < best[0]:
             best = (cost, sub)
         sub *= 2
-    return best[1]
+    return best[0][0], best[1]
 
 
 def vocab_topk(x: torch.Tensor, k: int, with_lse: bool = True, impl: str = "auto"):
     """Top k of the last dim by (value desc, id asc), and the float32 logsumexp.
 
     x [..., V] float32/bf16/fp16; 1 <= k <= V < 2**20.  impl: 'auto' (fused Triton on
-    CUDA, else torch), 'fused' (CUDA, or CPU under TRITON_INTERPRET=1), 'torch'.
+    CUDA when its sorts stay <= FUSED_MAX elements, e.g. k <= 512 at V = 256k; else
+    torch), 'fused' (CUDA, or CPU under TRITON_INTERPRET=1), 'torch'.
     Returns (values float32 [..., k], ids int64 [..., k], lse [...] or None); values
     and ids are in key order (largest first).
     """
@@ -114,7 +121,7 @@ def vocab_topk(x: torch.Tensor, k: int, with_lse: bool = True, impl: str = "auto
     if v > (1 << TOK_BITS):
         raise ValueError("vocab larger than 2**20 is not supported")
     if impl == "auto":
-        fused = HAS_TRITON and x.is_cuda
+        fused = HAS_TRITON and x.is_cuda and _plan(v, k)[0] <= FUSED_MAX
     elif impl == "fused":
         if not HAS_TRITON or not (x.is_cuda or interpreting()):
             raise RuntimeError("impl='fused' needs triton and CUDA tensors (or TRITON_INTERPRET=1)")
