@@ -177,8 +177,7 @@ def main():
         rows.append(row)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
               flush=True)
-        del c, out, fns
-        if dev == "cuda":
+        if dev == "cuda":  # (the next case rebinds c / out / fns: this one is freed then)
             torch.cuda.empty_cache()
     meta["seconds"] = round(time.time() - t0, 1)
     with open(os.path.join(args.out_dir, "split_attn_bench.json"), "w") as f:

@@ -385,7 +385,7 @@ def split_tree_attention(query, key, value, key_cache, value_cache, output, bloc
                          seq_lens, query_start_loc, has_tree, mask, scale, max_query_len,
                          max_seq_len, num_kv_heads, prefix="fa", ctx_lens=None,
                          fa_version=3, num_splits=0, sliding_window=None, softcap=0.0,
-                         prefix_splits=None):
+                         prefix_splits=None, tree_kw=None):
     """Tree attention of a verify step = prefix (FA or Triton) + tree part + merge.
 
     See the module docstring for the layouts.  prefix: 'fa' (vllm_flash_attn, bf16 /
@@ -393,7 +393,9 @@ def split_tree_attention(query, key, value, key_cache, value_cache, output, bloc
     signature minus num_kv_heads (tests).  ctx_lens: [R] int32 context lengths if the
     caller keeps them (computed once per step instead of per layer); fa_version /
     num_splits: the backend's (``impl.vllm_flash_attn_version``,
-    ``attn_metadata.max_num_splits``).  Returns output.
+    ``attn_metadata.max_num_splits``); prefix_splits: key splits of the Triton prefix
+    (None: by program count); tree_kw: the tree kernel's block_q / block_n / num_warps.
+    Returns output.
     """
     if sliding_window not in (None, -1, (-1, -1), [-1, -1]):
         raise NotImplementedError("split tree attention: sliding-window layers are not "
@@ -414,4 +416,4 @@ def split_tree_attention(query, key, value, key_cache, value_cache, output, bloc
     else:
         state = (0, prefix(*args, max_seq_len, scale), o)
     return tree_part(q, key, value, o, query_start_loc, has_tree, mask, scale, max_query_len,
-                     num_kv_heads, state)
+                     num_kv_heads, state, **(tree_kw or {}))
