@@ -137,6 +137,23 @@ if HAS_TRITON:
         return s * scale
 
     @triton.jit
+    def _query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh, G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+        """A program's M rows: BLOCK_Q query tokens x the G query heads of KV head kvh
+        (GQA packed like unified_attention): token index qi, head h, validity, the
+        head-dim lanes and the query tile."""
+        m = tl.arange(0, M)
+        qi = qb * BLOCK_Q + m // G
+        h = kvh * G + m % G
+        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
+        d = tl.arange(0, DP)
+        dm = d < D
+        tok = (q0 + qi).to(tl.int64)
+        q = tl.load(Q + tok[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
+                    mask=row_ok[:, None] & dm[None, :], other=0.0)
+        return qi, h, row_ok, d, dm, tok, q
+
+    @triton.jit
     def _prefix_tile(start, m_i, l_i, acc, q, KC, VC, bt_row, kend, d, dm, s_kb, s_kt, s_kh,
                      s_vb, s_vt, s_vh, kvh, block_size, scale,
                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -172,15 +189,8 @@ if HAS_TRITON:
         if qb * BLOCK_Q >= q_len:
             return
         ctx = tl.load(CTX + r)
-        m = tl.arange(0, M)
-        qi = qb * BLOCK_Q + m // G
-        h = kvh * G + m % G
-        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
-        d = tl.arange(0, DP)
-        dm = d < D
-        tok = (q0 + qi).to(tl.int64)
-        q = tl.load(Q + tok[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
-                    mask=row_ok[:, None] & dm[None, :], other=0.0)
+        qi, h, row_ok, d, dm, tok, q = _query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh,
+                                                   G, BLOCK_Q, M, D, DP)
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, DP], tl.float32)
@@ -252,15 +262,8 @@ if HAS_TRITON:
         q_len = tl.load(QSL + r + 1) - q0
         if qb * BLOCK_Q >= q_len:
             return
-        m = tl.arange(0, M)
-        qi = qb * BLOCK_Q + m // G
-        h = kvh * G + m % G
-        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
-        d = tl.arange(0, DP)
-        dm = d < D
-        tok = (q0 + qi).to(tl.int64)
-        q = tl.load(Q + tok[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
-                    mask=row_ok[:, None] & dm[None, :], other=0.0)
+        qi, h, row_ok, d, dm, tok, q = _query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh,
+                                                   G, BLOCK_Q, M, D, DP)
         has = tl.load(HAS + r) != 0
         mask_row = MASK + r.to(tl.int64) * s_mr
         m_i = tl.full([M], float("-inf"), tl.float32)
@@ -302,9 +305,22 @@ if HAS_TRITON:
                  (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=om)
 
 
-def _rows_per_block(g: int, block_q: int | None) -> tuple[int, int]:
-    bq = block_q or max(1, 64 // g)
-    return bq, max(16, next_pow2(bq * g))
+class _Grid:
+    """Launch shape shared by both kernels: requests x query blocks x KV heads, with
+    BLOCK_Q query tokens of the G heads of one KV head packed in M rows."""
+
+    def __init__(self, query_start_loc, out, num_kv_heads, max_query_len, block_q):
+        self.num_reqs = query_start_loc.shape[0] - 1
+        self.t, hq, self.d = out.shape
+        self.g = hq // num_kv_heads
+        self.bq = block_q or max(1, 64 // self.g)
+        self.m = max(16, next_pow2(self.bq * self.g))
+        self.dp = max(16, next_pow2(self.d))
+        self.nqb = triton.cdiv(max(int(max_query_len), 1), self.bq)
+
+    def consts(self, query, block_n):
+        return dict(G=self.g, BLOCK_Q=self.bq, M=self.m, BLOCK_N=block_n, D=self.d, DP=self.dp,
+                    IEEE=query.dtype == torch.float32, USE_FOR=not interpreting())
 
 
 def prefix_triton(query, key_cache, value_cache, out, block_table, ctx_lens, query_start_loc,
@@ -313,13 +329,9 @@ def prefix_triton(query, key_cache, value_cache, out, block_table, ctx_lens, que
     """Our paged prefix kernel.  Returns the prefix state for ``tree_part``:
     (0, lse [Hq, T], out) with the normalised output written into ``out`` when it runs
     unsplit, else (S, (m, l) [S, Hq, T], acc [S, T, Hq, D]) partial states."""
-    num_reqs = query_start_loc.shape[0] - 1
-    t, hq, d = out.shape
-    g = hq // num_kv_heads
-    bq, m = _rows_per_block(g, block_q)
-    dp = max(16, next_pow2(d))
-    nqb = triton.cdiv(max(int(max_query_len), 1), bq)
-    progs = num_reqs * nqb * num_kv_heads
+    gr = _Grid(query_start_loc, out, num_kv_heads, max_query_len, block_q)
+    t, hq, dp = gr.t, out.shape[1], gr.dp
+    progs = gr.num_reqs * gr.nqb * num_kv_heads
     if splits is None:
         splits = 1 if progs >= SPLIT_MIN_PROGRAMS else \
             max(1, min(MAX_SPLITS, (2 * SPLIT_MIN_PROGRAMS) // max(progs, 1)))
@@ -336,14 +348,12 @@ def prefix_triton(query, key_cache, value_cache, out, block_table, ctx_lens, que
         pa = torch.empty(splits, t, hq, dp, **f32)
         sm = pm.stride()
         sa = pa.stride()[:3]
-    _prefix_kernel[(num_reqs, nqb, num_kv_heads * splits)](
+    _prefix_kernel[(gr.num_reqs, gr.nqb, num_kv_heads * splits)](
         query, key_cache, value_cache, block_table, ctx_lens, query_start_loc, out, pm, pl, pa,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1), *sm, *sa, float(scale),
-        key_cache.shape[1], G=g, BLOCK_Q=bq, M=m, BLOCK_N=block_n, D=d, DP=dp,
-        IEEE=query.dtype == torch.float32, USE_FOR=not interpreting(), S=splits,
-        num_warps=num_warps)
+        key_cache.shape[1], **gr.consts(query, block_n), S=splits, num_warps=num_warps)
     if splits == 1:
         return 0, pm, out
     return splits, (pm, pl), pa
@@ -355,12 +365,7 @@ def tree_part(query, key, value, output, query_start_loc, has_tree, mask, scale,
     """The tree part + the merge: writes the final attention into ``output``.
     prefix_state: (0, lse [Hq, T], out_p [T, Hq, D]) as FA returns it (out_p may be
     ``output`` itself), or (S, (m, l) [S, Hq, T], acc [S, T, Hq, D]) partials."""
-    num_reqs = query_start_loc.shape[0] - 1
-    t, hq, d = output.shape
-    g = hq // num_kv_heads
-    bq, m = _rows_per_block(g, block_q)
-    dp = max(16, next_pow2(d))
-    nqb = triton.cdiv(max(int(max_query_len), 1), bq)
+    gr = _Grid(query_start_loc, output, num_kv_heads, max_query_len, block_q)
     s, pm, pa = prefix_state
     if s == 0:
         pl = pm
@@ -370,14 +375,11 @@ def tree_part(query, key, value, output, query_start_loc, has_tree, mask, scale,
         sm = pm.stride()
     sa = (pa.stride(0), pa.stride(1), pa.stride(2)) if s else (0, pa.stride(0), pa.stride(1))
     assert mask.stride(2) == 1
-    _tree_kernel[(num_reqs, nqb, num_kv_heads)](
+    _tree_kernel[(gr.num_reqs, gr.nqb, num_kv_heads)](
         query, key, value, output, query_start_loc, has_tree, mask, pm, pl, pa,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0),
         value.stride(1), output.stride(0), output.stride(1), mask.stride(0), mask.stride(1),
-        *sm, *sa, float(scale),
-        G=g, BLOCK_Q=bq, M=m, BLOCK_N=block_n, D=d, DP=dp,
-        IEEE=query.dtype == torch.float32, USE_FOR=not interpreting(), S=s,
-        num_warps=num_warps)
+        *sm, *sa, float(scale), **gr.consts(query, block_n), S=s, num_warps=num_warps)
     return output
 
 
