@@ -26,6 +26,9 @@ vocab_topk(x [..., V], k, with_lse=True, impl='auto') -> (values, ids, lse)
     the float32 logsumexp; impl='torch' is the reference.
 build_chain_from_topk(vals, idx, max_budget, lse) -> DDTree
     The drafter's top-1 chain (DFlash's argmax drafts) as a chain-shaped DDTree.
+graphed.GraphedBuild(max_budget)(draft) -> Build(tree, vals, idx, lse, chain_scores)
+    The per-step build replayed from a CUDA graph per batch bucket.
+budget.BudgetController: the cost-aware budget (per step: a tree size or the chain).
 walk_greedy(target argmax [N, B+1] or logits [N, B+1, V], tree) -> WalkResult
 walk_sampled(target_probs [N, B+1, V], tree, uniforms [N, L+1]) -> WalkResult
     WalkResult(accepted_rows [N, L+1], output_tokens [N, L+1], num_accepted [N]):

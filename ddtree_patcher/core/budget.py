@@ -270,21 +270,24 @@ class BudgetController:
                 "calibration": [round(x, 4) for x in self.calibration().tolist()[1:]]}
 
 
-def build_controlled(draft, controller: BudgetController, logprobs: bool = False):
-    """The proposer's step under the controller: one vocab pass, the budget-B tree,
-    the choice, and (if chosen) the chain.  Returns (tree to verify, its draft tokens
-    [N, budget], Choice); the tree keeps B columns (its first ``budget`` nodes are the
-    budget tree), so the runtime's buffers keep their shape."""
-    from .tree_build import build_chain_from_topk, build_tree_from_topk, chain_scores
-    from .vocab_topk import vocab_topk
+def build_controlled(draft, controller: BudgetController, logprobs: bool = False, builder=None):
+    """The proposer's step under the controller: the budget-B tree (one vocab pass;
+    ``builder``: a graphed.GraphedBuild to replay it from a CUDA graph), the choice, and
+    (if chosen) the chain.  Returns (tree to verify, its draft tokens [N, budget],
+    Choice); the tree keeps B columns (its first ``budget`` nodes are the budget tree),
+    so the runtime's buffers keep their shape."""
+    from .graphed import build_step
+    from .tree_build import build_chain_from_topk
 
     b = controller.max_budget
-    vals, idx, lse = vocab_topk(draft, min(b, draft.shape[-1]), with_lse=not logprobs)
-    tree = build_tree_from_topk(vals, idx, b, b, lse)
-    chain = chain_scores(vals, idx, lse) if controller.use_chain else None
-    choice = controller.choose(tree, chain)
+    if builder is None:
+        step = build_step(draft, b, logprobs, with_chain=controller.use_chain)
+    else:
+        step = builder(draft)
+    choice = controller.choose(step.tree, step.chain_scores)
+    tree = step.tree
     if choice.chain:
-        tree = build_chain_from_topk(vals, idx, b, lse)
+        tree = build_chain_from_topk(step.vals, step.idx, b, step.lse)
     return tree, tree.tokens[:, : choice.budget], choice
 
 

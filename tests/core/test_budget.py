@@ -250,3 +250,15 @@ def test_build_controlled_truncates_or_switches_to_the_chain():
     for n in range(3):
         ref = heap_build(q[n].tolist(), t[n].tolist(), 4)
         assert [x[0] for x in ref] == full.tokens[n, :4].tolist()
+
+
+def test_build_controlled_with_a_builder():
+    from ddtree_patcher.core.graphed import GraphedBuild
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 4, 50, generator=g) * 3
+    ctl = BudgetController(flat_table({5: 1.0, 9: 5.0, 17: 9.0}, ns=(1, 3)), 16, 4,
+                           budgets=[4, 8, 16], chain=True)
+    a = build_controlled(logits, ctl)
+    b = build_controlled(logits, ctl, builder=GraphedBuild(16, with_chain=True))
+    assert a[2] == b[2] and torch.equal(a[1], b[1])
