@@ -123,6 +123,28 @@ class CostTable:
             f"(shipped: {', '.join(TABLES)}): measure one (bench/gpu/step_bench.py) and "
             "point VLLM_DDTREE_COST_TABLE at it, or set ddtree_budget_control='off'")
 
+    @staticmethod
+    def from_step_bench(*results, gpu: str = "", source: str = "") -> dict:
+        """A table (the dict form ``load`` takes) from bench/gpu/step_bench.py results
+        ({config: {"steps": {N: {"step_ms": ...}}}}; configs ``ddtree<B>`` and
+        ``chain<k>``); the batch sizes every ddtree config measured form the grid."""
+        tree, chain = {}, {}
+        for res in results:
+            if isinstance(res, (str, os.PathLike)):
+                with open(res) as f:
+                    res = json.load(f)
+            for name, r in res.items():
+                steps = {int(n): v["step_ms"] for n, v in (r.get("steps") or {}).items()
+                         if v.get("step_ms")}
+                if name.startswith("ddtree") and name[6:].isdigit():
+                    for n, ms in steps.items():
+                        tree.setdefault(n, {})[int(name[6:]) + 1] = ms
+                elif name.startswith("chain") and name[5:].isdigit():
+                    chain.update(steps)
+        qs = set().union(*tree.values()) if tree else set()
+        full = {n: {q: r[q] for q in sorted(qs)} for n, r in sorted(tree.items()) if set(r) == qs}
+        return {"gpu": gpu, "source": source, "tree": full, "chain": dict(sorted(chain.items()))}
+
     def tree_ms(self, n: int, q: int) -> float:
         per_n = [_interp(self.qs, row, q) for row in self.grid]
         return max(self.floor, _interp(self.ns, per_n, n))
@@ -297,3 +319,10 @@ def control_mode(spec) -> str:
     if mode not in CONTROL_MODES:
         raise ValueError(f"ddtree_budget_control must be one of {CONTROL_MODES}, got {mode!r}")
     return mode
+
+
+if __name__ == "__main__":  # step_bench.json files -> a cost table (JSON on stdout)
+    import sys
+
+    print(json.dumps(CostTable.from_step_bench(*sys.argv[1:], source=" + ".join(sys.argv[1:])),
+                     indent=1))

@@ -262,3 +262,20 @@ def test_build_controlled_with_a_builder():
     a = build_controlled(logits, ctl)
     b = build_controlled(logits, ctl, builder=GraphedBuild(16, with_chain=True))
     assert a[2] == b[2] and torch.equal(a[1], b[1])
+
+
+def test_cost_table_from_step_bench():
+    """The shipped H200 table is what step_bench.py measured in run 3."""
+    from pathlib import Path
+
+    run3 = Path(__file__).resolve().parents[2] / "bench/gpu/results/run3/step_bench.json"
+    t = CostTable.from_step_bench(run3)
+    r2 = lambda d: {k: round(v, 2) if isinstance(v, float) else r2(v) for k, v in d.items()}  # noqa: E731
+    assert r2(t["tree"]) == H200_VLLM_0_20_2["tree"] and r2(t["chain"]) == H200_VLLM_0_20_2["chain"]
+    # a batch size without every tree size is left out of the grid
+    partial = {"ddtree16": {"steps": {"1": {"step_ms": 2.0}, "4": {"step_ms": 3.0}}},
+               "ddtree64": {"steps": {"1": {"step_ms": 4.0}}},
+               "chain15": {"steps": {"1": {"step_ms": 1.5}}}, "nospec": {"steps": {}}}
+    t = CostTable.from_step_bench(partial)
+    assert t["tree"] == {1: {17: 2.0, 65: 4.0}} and t["chain"] == {1: 1.5}
+    assert CostTable.load(t).tree_ms(1, 33) == 2.0 + 2.0 * 16 / 48
