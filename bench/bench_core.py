@@ -4,6 +4,7 @@ Qwen3-8B-shaped verify forward.  Prints tables; no asserts.
     python bench/bench_core.py            # full sizes (needs a CUDA GPU)
     python bench/bench_core.py --quick    # tiny sizes, runs on the CPU too
     python bench/bench_core.py --out DIR  # also write DIR/core_bench.json and .md
+    python bench/bench_core.py --only build --out DIR   # issue 13's build rows (~1-2 min, H200)
 
 Timing: medians of per-call CUDA events (eager: includes launch overhead, since the
 GPU waits on the host), CUDA-graph replays, or wall clock for the host-syncing
@@ -25,14 +26,18 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree_patcher.core import (  # noqa: E402
+    build_chain_from_topk,
     build_tree,
     build_tree_from_topk,
     build_tree_ports_style,
     compact_kv,
+    row_logsumexp,
+    vocab_topk,
     walk_greedy,
     walk_sampled,
 )
 from ddtree_patcher.core._triton import HAS_TRITON  # noqa: E402
+from ddtree_patcher.core.budget import H200_VLLM_0_20_2, BudgetController, CostTable, build_controlled  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -138,6 +143,9 @@ def first_child_rows(tree):
 
 
 def bench_build(Ns, Bs, L, V, gen, quick):
+    """Tree build: the fused vocab top-K path (build_tree's default on CUDA) vs the
+    previous path (torch.topk + chunked lse, same tree kernels) vs the CPU heap, eager
+    and CUDA-graph replay, plus the parts and the budget controller's step."""
     backends = ["triton", "torch"] if (CUDA and HAS_TRITON) else ["torch"]
     for n in Ns:
         draft_full = peaked_draft(n, L, V, gen)
@@ -153,19 +161,42 @@ def bench_build(Ns, Bs, L, V, gen, quick):
                 if CUDA:
                     record("build", cfg, f"ours {be} graph", lambda fn=fn: t_graph(fn))
             if CUDA:
+                def previous():  # before the fused top-K: torch.topk + row_logsumexp
+                    vals, idx = torch.topk(draft, b, dim=-1, sorted=False)
+                    return build_tree_from_topk(vals, idx, b, b, row_logsumexp(draft))
+                record("build", cfg, "previous (torch.topk) graph", lambda: t_graph(previous))
+                record("build", cfg, "previous (torch.topk) eager", lambda: t_events(previous))
+                record("build", cfg, "  part: fused top-K+lse graph", lambda: t_graph(lambda: vocab_topk(draft, b)))
+
                 def topk_only():
                     torch.topk(draft, b, dim=-1, sorted=False)
-                    from ddtree_patcher.core.tree_build import row_logsumexp
                     row_logsumexp(draft)
-                record("build", cfg, "  part: topk+lse graph", lambda: t_graph(topk_only))
-                from ddtree_patcher.core.tree_build import row_logsumexp
-                vals, idx = torch.topk(draft, b, dim=-1, sorted=False)
-                lse = row_logsumexp(draft)
+                record("build", cfg, "  part: torch.topk+lse graph", lambda: t_graph(topk_only))
+                vals, idx, lse = vocab_topk(draft, b)
                 record("build", cfg, "  part: tree+mask from top-K graph",
                        lambda: t_graph(lambda: build_tree_from_topk(vals, idx, b, b, lse)))
+                record("build", cfg, "  part: chain from top-K graph",
+                       lambda: t_graph(lambda: build_chain_from_topk(vals, idx, b, lse)))
+                ctl = BudgetController(CostTable.load(H200_VLLM_0_20_2), b, L, device=DEV)
+                record("build", cfg, "budget step eager (build+choose, 1 host read)",
+                       lambda: t_wall(lambda: build_controlled(draft, ctl), 5))
         del draft_full
         if CUDA:
             torch.cuda.empty_cache()
+    targets = [((1, 64), 0.15), ((32, 256), 1.1)]
+    for (n, b), goal in targets:
+        cfg = f"N={n} B={b}"
+        got = {v.strip(): ms for sec, c, v, ms, _ in ROWS if sec == "build" and c == cfg}
+        ours, heap = got.get(f"ours {backends[0]} graph"), got.get("heap/CPU (ports)")
+        prev = got.get("previous (torch.topk) graph")
+        if ours is None:
+            continue
+        verdict = "met" if ours <= goal else f"missed by {100 * (ours / goal - 1):.0f}%"
+        note = f"target <= {goal} ms: {verdict}; previous path {prev:.3f} ms" if prev else f"target <= {goal} ms: {verdict}"
+        if heap:
+            note += f"; heap/CPU {heap:.3f} ms ({heap / ours:.1f}x)"
+        ROWS.append(("build", cfg, "issue-13 target", ours, note))
+        print(f"build    {cfg:22s} issue-13 target: ours graph {ours:.4f} ms, {note}", flush=True)
 
 
 # ------------------------------------------------------------------------ walk

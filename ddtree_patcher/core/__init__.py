@@ -8,17 +8,27 @@ Verify rows: row 0 = root (the bonus / last accepted token, position start),
 row r = node r - 1 (position start + depth).  B = max_budget, L = draft positions.
 
 build_tree(draft [N, L, V] logits, budget: int | LongTensor[N], max_budget,
-           logprobs=False, backend='auto') -> DDTree
+           logprobs=False, backend='auto', topk='auto') -> DDTree
     Exactly Algorithm 1's node set (top-budget prefixes of prod_d q_d) with a fixed
     tie-break (tree_build docstring: scores are exact int sums of floor(lp*2**26);
     order = score desc, then shallower, then parent first, then lower rank; ranks
-    are (log-prob desc, token id asc)).  Nodes in pop order, parents first.
+    are (log-prob desc, token id asc); the K = min(B, V) candidates per depth are
+    the K largest by (value desc, id asc): vocab_topk).  Nodes in pop order,
+    parents first; the first b nodes are the budget-b tree.
     DDTree fields: tokens, parents (-1 = root child), depths (1-based),
     num_nodes [N], scores, ancestor_mask [N, B+1, B+1] (row i attends j iff j is an
     ancestor-or-self of i; pads attend root + self), position_offsets [N, B+1]
     (0 root, depth for nodes), max_depth, max_budget.  Pad slots: token 0,
     parent -1, depth 0, score -inf, offset 0.  No host sync; CUDA-graph capturable
     after one warm-up call.
+vocab_topk(x [..., V], k, with_lse=True, impl='auto') -> (values, ids, lse)
+    One fused pass (two Triton launches on CUDA): top k by (value desc, id asc) and
+    the float32 logsumexp; impl='torch' is the reference.
+build_chain_from_topk(vals, idx, max_budget, lse) -> DDTree
+    The drafter's top-1 chain (DFlash's argmax drafts) as a chain-shaped DDTree.
+graphed.GraphedBuild(max_budget)(draft) -> Build(tree, vals, idx, lse, chain_scores)
+    The per-step build replayed from a CUDA graph per batch bucket.
+budget.BudgetController: the cost-aware budget (per step: a tree size or the chain).
 walk_greedy(target argmax [N, B+1] or logits [N, B+1, V], tree) -> WalkResult
 walk_sampled(target_probs [N, B+1, V], tree, uniforms [N, L+1]) -> WalkResult
     WalkResult(accepted_rows [N, L+1], output_tokens [N, L+1], num_accepted [N]):
@@ -47,15 +57,19 @@ from .sampling import apply_top_k_top_p, target_probs
 from .tree_build import (
     DDTree,
     ancestor_mask,
+    build_chain_from_topk,
     build_tree,
     build_tree_from_topk,
     canonical_topk,
+    chain_scores,
     quantize_logprobs,
 )
+from .vocab_topk import row_logsumexp, vocab_topk
 from .tree_walk import WalkResult, masses, walk_greedy, walk_sampled
 
 __all__ = [
-    "HAS_TRITON", "DDTree", "build_tree", "build_tree_from_topk", "ancestor_mask", "canonical_topk",
+    "HAS_TRITON", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "chain_scores", "vocab_topk",
+    "row_logsumexp", "ancestor_mask", "canonical_topk",
     "quantize_logprobs", "heap_build", "reference_tree", "build_tree_ports_style", "WalkResult",
     "walk_greedy", "walk_sampled", "masses", "target_probs", "apply_top_k_top_p", "compact_kv",
     "compact_kv_slots", "compaction_slots", "token_view", "LAYOUTS",

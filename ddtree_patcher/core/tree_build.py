@@ -7,9 +7,12 @@ sums are associative and every implementation (torch, Triton, the Python heap)
 gets bit-identical scores.
 
 Ranks.  Only the top K = min(max_budget, V) tokens per depth can matter (a node of
-rank r > B has r - 1 >= B better siblings).  They come from torch.topk by log-prob;
-inside them, rank order is (q descending, token id ascending).  When several tokens
-tie exactly at the K-th place, which of them enter is torch.topk's choice.
+rank r > B has r - 1 >= B better siblings).  Which K enter (vocab_topk): the K largest
+by (input value descending, token id ascending), i.e. on an exact tie at the K-th
+place the lower ids enter (NaN counts as -inf, -0.0 as +0.0).  That is the heap
+reference's rule (heap_reference.canonical_lists) on log-prob inputs; on logits the
+values are compared before the lse is subtracted.  Inside the K, rank order is (q
+descending, token id ascending).
 
 Total order ("key"), used by the heap and here alike, smaller = popped first:
     key(x) = (-score(x), depth(x), key(parent(x)), rank(x))
@@ -53,12 +56,12 @@ import functools
 import torch
 
 from ._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
+from .vocab_topk import TOK_BITS, order_keys, row_logsumexp, vocab_topk  # noqa: F401 (re-exported)
 
 FRAC_BITS = 26
 LP_MIN = -65536.0  # log-probs below this are treated as -inf (excluded)
 Q_NEG = -(1 << 43)  # quantised log-prob of an excluded token
 S_NEG = -(1 << 62)  # score of an empty beam slot
-TOK_BITS = 20  # vocab ids must be < 2**20 for the rank key
 MAX_DEPTH = 64
 
 
@@ -96,28 +99,6 @@ def canonical_topk(vals: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor | No
     key = q * (1 << TOK_BITS) + (low - idx.to(torch.int64))
     key = torch.sort(key, dim=-1, descending=True).values
     return key >> TOK_BITS, low - (key & low)
-
-
-def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """float32 logsumexp over the last dim.  On CUDA: per-chunk (max, sum exp) in
-    parallel (Triton, reads bf16/fp16 without a float copy), finished in torch.
-    Both build backends call this, so they see identical log-probs."""
-    if HAS_TRITON and x.is_cuda:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        nr, v = rows.shape
-        ch = 4096
-        nch = triton.cdiv(v, ch)
-        m = torch.empty(nr, nch, device=x.device, dtype=torch.float32)
-        sx = torch.empty(nr, nch, device=x.device, dtype=torch.float32)
-        _lse_part_kernel[(nr, nch)](rows, m, sx, rows.stride(0), v, nch, CH=ch, num_warps=4)
-        mx = m.amax(-1, keepdim=True)
-        safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-        tot = (sx * torch.exp(m - safe)).sum(-1)
-        out = safe.squeeze(-1) + torch.log(tot)
-        return out.reshape(x.shape[:-1])
-    return torch.logsumexp(x.float(), dim=-1)
 
 
 _PAIRS: dict = {}
@@ -224,17 +205,6 @@ def ancestor_mask_torch(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- triton
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _lse_part_kernel(x_ptr, m_ptr, s_ptr, stride_row, V, NCH, CH: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
-        v = c * CH + tl.arange(0, CH)
-        x = tl.load(x_ptr + row * stride_row + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        mx = tl.max(x, 0)
-        safe = tl.where(mx > float("-inf"), mx, 0.0)
-        tl.store(m_ptr + row * NCH + c, mx)
-        tl.store(s_ptr + row * NCH + c, tl.sum(tl.exp(x - safe), 0))
 
     @triton.jit
     def _build_kernel(
@@ -427,20 +397,74 @@ def build_tree(
     logprobs: bool = False,
     backend: str = "auto",
     with_mask: bool = True,
+    topk: str = "auto",
 ) -> DDTree:
     """DDTree from drafter logits (or log-probs if logprobs=True) [N, L, V].
 
-    budget: int or LongTensor [N] (clamped to 0..max_budget).  No host sync; with
-    backend='triton' (default on CUDA) it is a few kernels and CUDA-graph capturable
-    (call once before capture: the candidate tables are cached per device).
+    budget: int or LongTensor [N] (clamped to 0..max_budget).  No host sync; on CUDA
+    (backend='triton', topk='fused': the defaults there) it is four Triton kernels
+    (vocab top-K + lse: 2, tree, mask) plus the budget tensor's fill, and CUDA-graph
+    capturable (call once before capture: the candidate tables are cached
+    per device).  topk: vocab_topk's impl ('auto', 'fused', 'torch').
     """
     n, L, v = draft.shape
     if v > (1 << TOK_BITS):
         raise ValueError("vocab larger than 2**20 is not supported")
     k = min(max_budget, v)
-    vals, idx = torch.topk(draft, k, dim=-1, sorted=False)
-    lse = None if logprobs else row_logsumexp(draft)
+    vals, idx, lse = vocab_topk(draft, k, with_lse=not logprobs, impl=topk)
     return build_tree_from_topk(vals, idx, budget, max_budget, lse, backend, with_mask)
+
+
+def build_chain_from_topk(
+    vals: torch.Tensor,
+    idx: torch.Tensor,
+    max_budget: int,
+    lse: torch.Tensor | None = None,
+    backend: str = "auto",
+    with_mask: bool = True,
+) -> DDTree:
+    """The drafter's top-1 chain as a DDTree (same fields and pads as build_tree):
+    node d - 1 = the depth-d token with the largest value (ties: lower id; DFlash's
+    argmax draft), parent = the node before it.  min(L, max_budget) nodes; as in the
+    tree build, an excluded token (log-prob -inf/NaN/< LP_MIN) ends the chain.
+    vals/idx [N, L, K] in any order, lse [N, L] as for build_tree_from_topk."""
+    n, L, k = vals.shape
+    dev = vals.device
+    m = min(L, max_budget)
+    tok, sc, ok = _chain(vals, idx, lse)
+    tok, sc, ok = tok[:, :m], sc[:, :m], ok[:, :m]
+    pad = max_budget - m
+    j = torch.arange(m, device=dev).expand(n, m)
+    tokens = _pad_right(torch.where(ok, tok, 0), pad, 0)
+    parents = _pad_right(torch.where(ok, j - 1, -1), pad, -1)
+    depths = _pad_right(torch.where(ok, j + 1, 0), pad, 0)
+    scores = _float_scores(_pad_right(sc, pad, S_NEG))
+    pos = torch.cat([torch.zeros(n, 1, dtype=torch.int64, device=dev), depths], 1)
+    mask = ancestor_mask(parents, L, backend) if with_mask else None
+    return DDTree(tokens, parents, depths, ok.sum(1), scores, mask, pos, L, max_budget)
+
+
+def chain_scores(vals: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor | None = None):
+    """Scores [N, L] (float32 log q, like DDTree.scores) of the top-1 chain's prefixes,
+    -inf from the first excluded token on: what the budget controller needs to weigh
+    the chain without building it."""
+    return _float_scores(_chain(vals, idx, lse)[1])
+
+
+def _chain(vals, idx, lse):
+    """(tokens, int64 prefix scores (S_NEG when excluded), valid) of the top-1 chain."""
+    best = order_keys(vals, idx).argmax(-1, keepdim=True)
+    tok = idx.gather(-1, best).squeeze(-1).to(torch.int64)
+    lp = vals.gather(-1, best).squeeze(-1).float()
+    q = quantize_logprobs(lp if lse is None else lp - lse.float())
+    ok = torch.cumprod((q > Q_NEG).to(torch.int64), 1) > 0
+    sc = torch.cumsum(torch.where(ok, q, 0), 1)
+    return tok, torch.where(ok, sc, S_NEG), ok
+
+
+def _pad_right(x: torch.Tensor, n: int, value) -> torch.Tensor:
+    """Pad the last dim on the right with n copies of value."""
+    return torch.nn.functional.pad(x, (0, n), value=value) if n else x
 
 
 @functools.lru_cache(maxsize=None)

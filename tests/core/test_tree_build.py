@@ -1,12 +1,15 @@
 import random
+from pathlib import Path
 
 import pytest
 import torch
-from core_helpers import CUDA, DEV, assert_same_tree, needs_cuda, needs_triton, tree_nodes
+from core_helpers import CUDA, DEV, TRITON_OK, assert_same_tree, needs_cuda, needs_triton, tree_nodes
 
 from ddtree_patcher.core import build_tree, build_tree_from_topk, canonical_topk, heap_build, reference_tree
 from ddtree_patcher.core.heap_reference import build_tree_ports_style, visibility_matrix
-from ddtree_patcher.core.tree_build import Q_NEG, candidate_pairs, num_candidates, quantize_logprobs, row_logsumexp
+from ddtree_patcher.core.tree_build import (Q_NEG, build_chain_from_topk, candidate_pairs, num_candidates,
+                                            quantize_logprobs, row_logsumexp)
+from ddtree_patcher.core.vocab_topk import decode_keys, order_keys, pick_sub, vocab_topk
 
 
 def _logprobs(rng: random.Random, g: torch.Generator, n, L, v, kind):
@@ -27,11 +30,12 @@ def _logprobs(rng: random.Random, g: torch.Generator, n, L, v, kind):
     return torch.log_softmax(x, -1).nan_to_num(nan=float("-inf"))
 
 
-def _topk_oracle(x, bud, bmax, logprobs=True):
-    """Heap oracle on the very top-K lists the builder sees (same torch.topk call)."""
+def _topk_oracle(x, bud, bmax, logprobs=True, lse=None):
+    """Heap oracle on the very top-K lists the builder sees (the torch reference of
+    vocab_topk: value desc, id asc)."""
     v = x.shape[-1]
-    vals, idx = torch.topk(x, min(bmax, v), dim=-1, sorted=False)
-    q, tok = canonical_topk(vals, idx, None if logprobs else row_logsumexp(x))
+    vals, idx, ref_lse = vocab_topk(x, min(bmax, v), with_lse=not logprobs, impl="torch")
+    q, tok = canonical_topk(vals, idx, lse if lse is not None else ref_lse)
     q, tok = q.cpu(), tok.cpu()
     return [heap_build(q[n].tolist(), tok[n].tolist(), int(bud[n])) for n in range(x.shape[0])]
 
@@ -72,9 +76,9 @@ def test_matches_heap_oracle(seed):
         for i in range(n):
             exp = [(t, p, d) for t, p, d, _ in oracle[i]]
             assert tree_nodes(tree, i) == exp, (seed, it, kind, L, v, bmax, int(bud[i]))
-            if v <= bmax or kind in ("peaked", "flat"):  # no tie can straddle the top-K cut
-                full = [(t, p, d) for t, p, d, _ in reference_tree(lp[i], int(bud[i]))]
-                assert full == exp
+            # log-prob inputs: vocab_topk's rule is the full-vocab oracle's (ties: lower id)
+            full = [(t, p, d) for t, p, d, _ in reference_tree(lp[i], int(bud[i]))]
+            assert full == exp
 
 
 def test_structure_and_mask():
@@ -179,3 +183,208 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     assert_same_tree(out, build_tree(x, bud, 64))
     assert not torch.equal(out.tokens, eager.tokens)
+
+
+# --------------------------------------------------------------- vocab top-K + lse
+
+
+def _vocab_cases(g):
+    """(x, k): random / exact ties / -inf / NaN / signed zeros, one and several chunks."""
+    out = []
+    for r, v, k in [(3, 7, 4), (2, 40, 16), (3, 200, 33), (1, 5000, 64), (2, 64, 64), (1, 1, 1)]:
+        out.append((torch.randn(r, v, generator=g) * 3, k))
+        out.append((torch.randint(0, 3, (r, v), generator=g).float(), k))
+    out.append((torch.randn(2, 9000, generator=g), 1))
+    x = torch.randn(4, 300, generator=g)
+    x[torch.rand(4, 300, generator=g) < 0.5] = float("-inf")
+    x[0, :290] = float("-inf")  # fewer finite values than k
+    x[1, ::7] = float("nan")
+    x[2, :40] = 0.0
+    x[2, 40:80] = -0.0
+    out.append((x, 32))
+    return out
+
+
+def test_order_keys_roundtrip():
+    x = torch.tensor([[1.5, -2.0, 0.0, -0.0, float("-inf"), float("inf"), 1e-30, -1e-30, float("nan")]])
+    key = order_keys(x)
+    vals, ids = decode_keys(key)
+    assert ids.tolist() == [list(range(9))]
+    exp = torch.where(torch.isnan(x), float("-inf"), x)
+    assert torch.equal(vals, exp.abs() * torch.sign(exp).where(exp != 0, torch.ones_like(exp)))
+    order = torch.argsort(key[0], descending=True).tolist()
+    assert order == [5, 0, 6, 2, 3, 7, 1, 4, 8]  # +0 and -0 tie: lower id first; NaN = -inf
+
+
+@needs_triton
+def test_vocab_topk_fused_matches_reference():
+    """The fused kernels pick exactly the reference's K tokens in key order (ties:
+    lower id), from float32 / half inputs with a row stride, and the same lse."""
+    g = torch.Generator().manual_seed(21)
+    half = torch.bfloat16 if CUDA else torch.float16  # the CPU interpreter has no bf16
+    for i, (x, k) in enumerate(_vocab_cases(g)):
+        for dt in (torch.float32, half) if i % 3 == 0 else (torch.float32,):
+            xx = x.to(dt).to(DEV)
+            wide = torch.full((xx.shape[0], xx.shape[1] + 3), 7.0, dtype=dt, device=DEV)
+            wide[:, 1:-2] = xx
+            xs = wide[:, 1:-2]  # row stride != V
+            a = vocab_topk(xs, k, impl="fused")
+            b = vocab_topk(xs, k, impl="torch")
+            assert torch.equal(a[0].cpu(), b[0].cpu()) and torch.equal(a[1].cpu(), b[1].cpu()), (x.shape, k, dt)
+            fin = torch.isfinite(b[2])
+            assert torch.equal(fin, torch.isfinite(a[2]))
+            assert torch.allclose(a[2][fin], b[2][fin], rtol=2e-6, atol=1e-6)
+    assert pick_sub(151936, 64) == 64 and pick_sub(151936, 256) == 32
+
+
+@needs_triton
+def test_build_tree_fused_topk():
+    """build_tree through the fused top-K == the torch reference path (log-prob inputs:
+    no lse, bit-identical); on logits, the same tree as the reference lists with the
+    fused lse; 3-D batches [N, L, V] go through as rows."""
+    g = torch.Generator().manual_seed(4)
+    rng = random.Random(4)
+    for n, L, v, b, kind in [(3, 4, 50, 9, "ties"), (1, 2, 5000, 16, "peaked"), (4, 2, 30, 64, "masked")]:
+        lp = _logprobs(rng, g, n, L, v, kind).to(DEV)
+        bud = torch.randint(0, b + 1, (n,), generator=g).to(DEV)
+        fused = build_tree(lp, bud, b, logprobs=True, topk="fused")
+        ref = build_tree(lp, bud, b, logprobs=True, topk="torch", backend="torch")
+        assert_same_tree(fused, ref)
+        logits = lp * 1.3 + 2
+        t = build_tree(logits, bud, b, topk="fused")
+        _, _, lse = vocab_topk(logits, min(b, v), impl="fused")
+        oracle = _topk_oracle(logits, bud.cpu(), b, logprobs=False, lse=lse)
+        for i in range(n):
+            assert tree_nodes(t, i) == [(a, p, d) for a, p, d, _ in oracle[i]]
+
+
+def test_budget_prefix_is_the_smaller_tree():
+    """The first b nodes of a budget-B tree are a valid tree (parents first) and equal
+    the tree built with budget b: truncating to a smaller budget needs no rebuild."""
+    g = torch.Generator().manual_seed(8)
+    rng = random.Random(8)
+    for kind in ("peaked", "flat", "ties", "masked"):
+        lp = _logprobs(rng, g, 6, 5, 40, kind).to(DEV)
+        big = build_tree(lp, 64, 64, logprobs=True, backend="torch")
+        for b in (1, 5, 16, 33):
+            small = build_tree(lp, b, b, logprobs=True, backend="torch")
+            for i in range(6):
+                k = min(b, int(big.num_nodes[i]))
+                assert int(small.num_nodes[i]) == k
+                nodes = tree_nodes(big, i)[:k]
+                assert tree_nodes(small, i) == nodes
+                assert all(p < j for j, (_, p, _) in enumerate(nodes))
+                m = small.ancestor_mask[i, : k + 1, : k + 1]
+                assert torch.equal(m, big.ancestor_mask[i, : k + 1, : k + 1])
+
+
+def test_chain_is_the_argmax_path():
+    g = torch.Generator().manual_seed(2)
+    n, L, v = 4, 6, 30
+    x = torch.randn(n, L, v, generator=g) * 2
+    x[1, :, 3] = x[1].max(-1).values + 1  # request 1: the same argmax everywhere
+    x[2, :, 5] = x[2, :, 9] = 50.0  # exact tie: the lower id (5) is the chain's
+    x[3, 2] = float("-inf")  # request 3: the chain ends after depth 2
+    for b in (16, 4):
+        vals, idx, lse = vocab_topk(x, min(b, v), impl="torch")
+        c = build_chain_from_topk(vals, idx, b, lse, backend="torch")
+        m = min(L, b)
+        assert c.num_nodes.tolist() == [m, m, m, min(2, m)]
+        assert torch.equal(c.tokens[:3, :m], x[:3, :m].argmax(-1))
+        assert (c.tokens[2, :m] == 5).all() and (c.tokens[1, :m] == 3).all()
+        for i in range(n):
+            k = int(c.num_nodes[i])
+            assert c.parents[i, :k].tolist() == list(range(-1, k - 1))
+            assert c.depths[i, :k].tolist() == list(range(1, k + 1))
+            assert (c.parents[i, k:] == -1).all() and (c.tokens[i, k:] == 0).all()
+            assert torch.isinf(c.scores[i, k:]).all()
+            lp = torch.log_softmax(x[i], -1).max(-1).values[:k]
+            q = quantize_logprobs(lp - 0.0)
+            assert torch.allclose(c.scores[i, :k].double(), q.cumsum(0).double() / 2**26, atol=1e-5)
+            am = c.ancestor_mask[i, : k + 1, : k + 1]
+            assert torch.equal(am, torch.ones(k + 1, k + 1, dtype=torch.bool).tril())
+        # the chain is a tree the same code paths understand: the torch mask agrees
+        assert torch.equal(c.position_offsets[:, 1:], c.depths)
+
+
+def test_no_host_sync_in_build(monkeypatch):
+    """No tensor -> Python value (.item/.tolist/.cpu/.numpy/int/float/bool/index) in the
+    build path: every tensor method that would sync is wrapped and reports calls from
+    the core's frames (on a GPU, the CUDA-graph capture tests check the same)."""
+    import sys
+
+    core = str(Path(build_tree.__code__.co_filename).parent)
+    bad = []
+
+    def spy(name):
+        orig = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, **k):
+            f = sys._getframe(1)
+            if f.f_code.co_filename.startswith(core):
+                bad.append((f.f_code.co_name, f.f_lineno, name))
+            return orig(self, *a, **k)
+        return wrapped
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, generator=g).to(DEV)
+    bud = torch.tensor([5, 9]).to(DEV)
+    runs = [dict(backend="torch", topk="torch")]
+    if TRITON_OK:
+        runs.append(dict(backend="triton", topk="fused"))
+    for kw in runs:
+        build_tree(x, bud, 9, **kw)  # warm the caches first
+    names = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+    for name in names:
+        monkeypatch.setattr(torch.Tensor, name, spy(name))
+    for kw in runs:
+        build_tree(x, bud, 9, **kw)
+        build_tree(x, 7, 9, **kw)
+        vals, idx, lse = vocab_topk(x, 9, impl=kw["topk"])
+        build_chain_from_topk(vals, idx, 9, lse, backend=kw["backend"])
+    assert not bad, bad
+    build_tree_ports_style(x, 9)  # the spy works: the host heap path copies to the host
+    monkeypatch.undo()
+    assert ("build_tree_ports_style", "cpu") in [(b[0], b[2]) for b in bad]
+
+
+@needs_cuda
+def test_cuda_fused_topk_same_tree_as_torch_topk():
+    """On continuous float32 logits (no exact ties) the fused top-K picks the tokens
+    torch.topk picks: with the same lse, the same tree as before the fused path."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for n, b in ((1, 64), (8, 256), (3, 512)):
+        x = torch.randn(n, 15, 151936, device="cuda", generator=g) * 4
+        lse = row_logsumexp(x)
+        vals, idx = torch.topk(x, b, dim=-1, sorted=False)
+        old = build_tree_from_topk(vals, idx, b, b, lse)
+        fv, fi, flse = vocab_topk(x, b)
+        assert_same_tree(old, build_tree_from_topk(fv, fi, b, b, lse))
+        assert torch.allclose(flse, lse, rtol=1e-6, atol=0)
+        build_tree(x, b, b)  # warm the cached tables
+        torch.cuda.set_sync_debug_mode("error")  # any host sync raises
+        try:
+            build_tree(x, b, b)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def test_graphed_build_matches_eager():
+    """Off CUDA GraphedBuild runs eagerly; on CUDA it replays one graph per batch
+    bucket: the same trees, top-K lists and chain scores as the eager build, for
+    batches below the bucket and for changing inputs."""
+    from ddtree_patcher.core.graphed import GraphedBuild, build_step
+
+    g = torch.Generator(device=DEV).manual_seed(6)
+    v = 151936 if CUDA else 300
+    gb = GraphedBuild(64, with_chain=True, buckets=(1, 4))
+    for n in (1, 3, 4, 3, 5):  # 5: above the largest bucket -> eager
+        x = (torch.randn(n, 15 if CUDA else 3, v, device=DEV, generator=g) * 3)
+        if CUDA:
+            x = x.to(torch.bfloat16)
+        got = gb(x)
+        exp = build_step(x, 64, with_chain=True)
+        assert_same_tree(got.tree, exp.tree)
+        for f in ("vals", "idx", "lse", "chain_scores"):
+            assert torch.equal(getattr(got, f), getattr(exp, f)), f
+    assert len(gb.graphs) == (2 if CUDA else 0)

@@ -9,6 +9,7 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from .core import build_tree
+from .core.budget import BudgetController, CostTable, build_controlled, control_mode
 
 # vLLM 0.20.x: propose() has no num_speculative_tokens argument (the drafter reads
 # self.num_speculative_tokens) and the DFlash early exit calls _greedy_sample
@@ -41,6 +42,16 @@ class DDTreeProposer(DFlashProposer):
         if getattr(self, "use_heterogeneous_vocab", False):
             raise ValueError("method='ddtree' needs the drafter to share the target's "
                              "vocabulary")
+        # ddtree_budget_control='auto': a budget per step (core/budget.py); the last
+        # choice's draft count is ddtree_last_budget (the runner slices its buffers)
+        self.ddtree_controller = None
+        self.ddtree_last_budget = self.ddtree_budget
+        if control_mode(spec) == "auto":
+            dev = torch.device(device)
+            name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+            self.ddtree_controller = BudgetController(
+                CostTable.for_device(name), self.ddtree_budget, self.ddtree_depth,
+                getattr(spec, "ddtree_budgets", None), device=dev)
 
     def propose(self, *args, **kwargs):
         # The runner asks for B tokens; the drafter itself runs L mask queries.
@@ -64,11 +75,20 @@ class DDTreeProposer(DFlashProposer):
         if self._ddtree_synthetic is not None and self._ddtree_call is not None:
             logits = self._ddtree_synthetic.logits(self._ddtree_runner, self._ddtree_call,
                                                    n, depth, logits)
-        tree = build_tree(logits, self.ddtree_budget, self.ddtree_budget)
         runtime = getattr(self._ddtree_runner, "ddtree", None)
+        ctl = self.ddtree_controller
+        if ctl is None:
+            tree = build_tree(logits, self.ddtree_budget, self.ddtree_budget)
+            tokens = tree.tokens
+        else:  # the step's budget (a prefix of the tree) or the top-1 chain
+            tree, tokens, choice = build_controlled(logits, ctl)
+            self.ddtree_last_budget = choice.budget
+            stats = getattr(runtime, "stats", None)
+            if stats is not None and stats.path is not None:
+                stats.d.update(ctl.metrics())
         if runtime is not None:
             runtime.store_trees(self._ddtree_runner.input_batch.req_ids[:n], tree)
-        self._ddtree_tokens = tree.tokens
+        self._ddtree_tokens = tokens
         return torch.zeros(n * depth, dtype=torch.long, device=logits.device), None
 
     def _greedy_sample(self, hidden_states):

@@ -1,0 +1,93 @@
+"""The proposer's per-step tree build replayed from CUDA graphs.
+
+On vLLM 0.20.x the drafter runs eagerly (FULL_DECODE_ONLY graphs hold the target only),
+so the build's launches (vocab top-K, tree, mask, chain scores: ~10 with their small
+torch ops) cost host time every step.  The build is sync-free with static shapes, so
+it can be captured once per batch bucket and replayed: the drafter's logits are copied
+into a static buffer, the graph replays, the outputs are views of static tensors.
+
+Outputs stay valid until the next call (the runtime consumes a step's tree in the
+next verify step, before the next propose).  Off CUDA, or for batches above the
+largest bucket, it runs eagerly (same results: the graph replays the same kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .tree_build import DDTree, build_tree_from_topk, chain_scores
+from .vocab_topk import vocab_topk
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass
+class Build:
+    """One step's build: the tree, the vocab top-K it came from, the chain's scores."""
+
+    tree: DDTree
+    vals: torch.Tensor
+    idx: torch.Tensor
+    lse: torch.Tensor | None
+    chain_scores: torch.Tensor | None
+
+
+def build_step(draft: torch.Tensor, max_budget: int, logprobs: bool = False,
+               with_chain: bool = False) -> Build:
+    """build_tree (budget = max_budget) keeping its top-K lists (and the chain's
+    scores, for the budget controller)."""
+    vals, idx, lse = vocab_topk(draft, min(max_budget, draft.shape[-1]), with_lse=not logprobs)
+    tree = build_tree_from_topk(vals, idx, max_budget, max_budget, lse)
+    return Build(tree, vals, idx, lse, chain_scores(vals, idx, lse) if with_chain else None)
+
+
+class GraphedBuild:
+    """build_step replayed from one CUDA graph per batch bucket (captured on first use)."""
+
+    def __init__(self, max_budget: int, logprobs: bool = False, with_chain: bool = False,
+                 buckets=BUCKETS):
+        self.max_budget = max_budget
+        self.logprobs = logprobs
+        self.with_chain = with_chain
+        self.buckets = tuple(sorted(buckets))
+        self.graphs: dict = {}  # (bucket, L, V, dtype, device) -> (graph, input, Build)
+
+    def _eager(self, draft):
+        return build_step(draft, self.max_budget, self.logprobs, self.with_chain)
+
+    def __call__(self, draft: torch.Tensor) -> Build:
+        n, L, v = draft.shape
+        bk = next((b for b in self.buckets if b >= n), None)
+        if not draft.is_cuda or bk is None or torch.cuda.is_current_stream_capturing():
+            return self._eager(draft)
+        key = (bk, L, v, draft.dtype, draft.device)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bk, draft)
+        graph, x, out = self.graphs[key]
+        x[:n].copy_(draft)
+        graph.replay()
+        return _rows(out, n)
+
+    def _capture(self, bk, draft):
+        x = torch.zeros((bk,) + tuple(draft.shape[1:]), dtype=draft.dtype, device=draft.device)
+        side = torch.cuda.Stream(draft.device)
+        side.wait_stream(torch.cuda.current_stream(draft.device))
+        with torch.cuda.stream(side):  # warm-up: compiles the kernels, caches the tables
+            self._eager(x)
+        torch.cuda.current_stream(draft.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._eager(x)
+        return graph, x, out
+
+
+def _rows(b: Build, n: int) -> Build:
+    """The first n requests of a bucket's outputs (views)."""
+    t = b.tree
+    cut = lambda x: None if x is None else x[:n]  # noqa: E731
+    tree = replace(t, tokens=t.tokens[:n], parents=t.parents[:n], depths=t.depths[:n],
+                   num_nodes=t.num_nodes[:n], scores=t.scores[:n],
+                   ancestor_mask=cut(t.ancestor_mask), position_offsets=t.position_offsets[:n])
+    return Build(tree, b.vals[:n], b.idx[:n], cut(b.lse), cut(b.chain_scores))
