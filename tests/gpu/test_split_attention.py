@@ -251,3 +251,41 @@ def test_cuda_graph_replay_sees_new_trees(prefix):
         torch.cuda.synchronize()
         err = (out.double() - reference64(case)).abs().max().item()
         assert err <= TOL[dtype], (seed, err)
+
+
+def test_backend_entry_point_routes_to_split(monkeypatch):
+    """cuda_attention.tree_attention (what the backends' hook calls) with
+    VLLM_DDTREE_SPLIT_ATTN=1 runs the split path (Triton prefix in fp32; the step's
+    context lengths computed once per metadata) and gives the single kernel's result;
+    a KV-sharing layer (key None) keeps the single kernel."""
+    from types import SimpleNamespace
+
+    ca = payload_module("cuda_attention")
+    case, mq = small_cases(torch.float32)
+    key, value = step_kv(case)
+    kv = torch.stack([case["key_cache"], case["value_cache"]])  # "kv_outer"
+    impl = SimpleNamespace(head_size=kv.shape[-1], scale=case["scale"],
+                           num_kv_heads=case["num_kv_heads"], _ddtree_checked=True)
+    calls = []
+    real = payload_module("split_attention").split_tree_attention
+    monkeypatch.setattr(payload_module("split_attention"), "split_tree_attention",
+                        lambda *a, **k: calls.append(k["prefix"]) or real(*a, **k))
+
+    def run(split, k=key, v=value):
+        monkeypatch.setattr(ca, "SPLIT", split)
+        md = SimpleNamespace(block_table=case["block_table"], seq_lens=case["seq_lens"],
+                             query_start_loc=case["query_start_loc"], max_query_len=mq,
+                             max_seq_len=int(case["seq_lens"].max()),
+                             ddtree=SimpleNamespace(has_tree=case["has_tree"],
+                                                    mask=case["mask"]))
+        out = torch.full_like(case["query"], float("nan"))
+        ca.tree_attention(impl, None, case["query"], k, v, kv, md, out, "flash_attn",
+                          "kv_outer")
+        return out, md
+
+    single, _ = run(False)
+    split, md = run(True)
+    assert calls == ["triton"] and md._ddtree_ctx is not None
+    assert (split - single).abs().max().item() <= TOL[torch.float32]
+    shared, _ = run(True, None, None)
+    assert calls == ["triton"] and torch.equal(shared, single)

@@ -324,9 +324,33 @@ def tree_attention(impl, layer, query, key, value, kv_cache, md, output, backend
         impl._ddtree_checked = True
     state = md.ddtree
     key_cache, value_cache = split_kv(kv_cache, layout, impl.head_size)
+    if SPLIT and key is not None and value is not None:  # None: a KV-sharing layer
+        return _split(impl, query, key, value, key_cache, value_cache, md, output, state,
+                      backend)
     return launch(query, key_cache, value_cache, output, md.block_table, md.seq_lens,
                   md.query_start_loc, state.has_tree, state.mask, impl.scale,
                   md.max_query_len, impl.num_kv_heads)
+
+
+# VLLM_DDTREE_SPLIT_ATTN=1: the context through the backend's FlashAttention (or our
+# Triton prefix kernel), only the tree through Triton (split_attention.py)
+SPLIT = os.environ.get("VLLM_DDTREE_SPLIT_ATTN", "0") == "1"
+
+
+def _split(impl, query, key, value, key_cache, value_cache, md, output, state, backend):
+    from .split_attention import context_lens, split_tree_attention
+
+    ctx = getattr(md, "_ddtree_ctx", None)
+    if ctx is None:  # once per step, shared by the layers of this metadata
+        ctx = context_lens(md.seq_lens, md.query_start_loc)
+        md._ddtree_ctx = ctx
+    fa = backend == "flash_attn" and query.dtype != torch.float32
+    return split_tree_attention(
+        query, key, value, key_cache, value_cache, output, md.block_table, md.seq_lens,
+        md.query_start_loc, state.has_tree, state.mask, impl.scale, md.max_query_len,
+        md.max_seq_len, impl.num_kv_heads, prefix="fa" if fa else "triton", ctx_lens=ctx,
+        fa_version=getattr(impl, "vllm_flash_attn_version", None) or 3,
+        num_splits=getattr(md, "max_num_splits", 0) or 0)
 
 
 def reference_tree_attention(query, key_cache, value_cache, block_table, seq_lens,
