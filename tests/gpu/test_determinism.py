@@ -6,7 +6,8 @@ request's own generator) while each rank's torch global RNG is put in a differen
 state: they must build bit-identical trees, walk them to the same paths (greedy,
 seeded sampled and unseeded sampled rows), and commit identically (positions, input
 ids, the drafter's aux rows, KV).  The step never draws from torch's global RNG.
-CPU (torch paths); on CUDA also the CUDA global generator is checked.
+CPU (torch paths); on CUDA also the fused paths, and CUDA's global generators are
+checked too.
 """
 
 import importlib.util
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import payload_module
+from .conftest import HAS_CUDA, payload_module
 from .test_cuda_runtime import _impl, _kv_cache, _runtime_module
 
 B, L, V, BS = 6, 3, 16, 8
@@ -59,17 +60,18 @@ def _proposer_class(monkeypatch):
 class Rank:
     """One rank's runner, runtime and proposer (fresh state, shared inputs)."""
 
-    def __init__(self, cr, proposer_cls, kind, engine_seed, synthetic_path):
-        self.positions = torch.zeros(32, dtype=torch.int64)
-        self.kv, self.slots_of = _kv_cache("heads_packed", "cpu", BS)
-        self.bt = torch.arange(12, dtype=torch.int32).view(3, 4)
+    def __init__(self, cr, proposer_cls, kind, dev, engine_seed, synthetic_path):
+        self.dev = dev
+        self.positions = torch.zeros(32, dtype=torch.int64, device=dev)
+        self.kv, self.slots_of = _kv_cache("heads_packed", dev, BS)
+        self.bt = torch.arange(12, dtype=torch.int32, device=dev).view(3, 4)
         qsl = np.array([0, 7, 14, 21, 21], dtype=np.int32)
         runner = SimpleNamespace(
-            device=torch.device("cpu"), max_num_reqs=4, sampler=None,
+            device=torch.device(dev), max_num_reqs=4, sampler=None,
             model_config=SimpleNamespace(seed=engine_seed),
             speculative_config=SimpleNamespace(ddtree_budget=B, ddtree_depth=L),
             positions=self.positions,
-            input_ids=SimpleNamespace(gpu=torch.arange(100, 132)),
+            input_ids=SimpleNamespace(gpu=torch.arange(100, 132, device=dev)),
             query_start_loc=SimpleNamespace(np=qsl, cpu=torch.from_numpy(qsl)),
             input_batch=SimpleNamespace(req_ids=REQS, block_table=[
                 SimpleNamespace(get_device_tensor=lambda n: self.bt[:n])]),
@@ -94,26 +96,27 @@ class Rank:
             p._ddtree_synthetic = synth.load(synthetic_path)
         self.proposer = p
         # vLLM gives every rank its own generator for a seeded request
-        self.gen_c = torch.Generator().manual_seed(SEED_C)
-        self.aux = [torch.arange(32, dtype=torch.float32).unsqueeze(1).repeat(1, 4)]
+        self.gen_c = torch.Generator(device=dev).manual_seed(SEED_C)
+        self.aux = [torch.arange(32.0, device=dev).unsqueeze(1).repeat(1, 4)]
 
     def step(self, draft_logits, target_logits):
         """proposer -> prepare -> tree walk -> commit, as the patched runner calls
         them; returns everything a rank decides in the step."""
         seq_lens = torch.tensor([CTX[r] + 1 for r in REQS])
         cad = SimpleNamespace(seq_lens=seq_lens)
-        tokens = self.proposer.propose(L, hidden_states=draft_logits.reshape(-1, V),
-                                       common_attn_metadata=cad)
+        hidden = draft_logits.to(self.dev).reshape(-1, V)  # compute_logits: identity
+        tokens = self.proposer.propose(L, hidden_states=hidden, common_attn_metadata=cad)
         spec = {r: tokens[i].tolist() for i, r in enumerate(REQS)}
-        lin = torch.cat([torch.arange(CTX[r], CTX[r] + 1 + B) for r in REQS])
+        lin = torch.cat([torch.arange(CTX[r], CTX[r] + 1 + B) for r in REQS]).to(self.dev)
         self.positions[:21] = lin
         self.rt.prepare(SimpleNamespace(scheduled_spec_decode_tokens=spec), 21)
         tree_pos = self.positions[:21].clone()
         md = SimpleNamespace(
-            all_greedy=False, temperature=torch.tensor([1.0, 0.0, 1.0]), top_k=None,
+            all_greedy=False, temperature=torch.tensor([1.0, 0.0, 1.0], device=self.dev),
+            top_k=None,
             top_p=None, generators={2: self.gen_c})
         out = self.rt.sampler(SimpleNamespace(num_draft_tokens=[B, B, B]), None,
-                              target_logits, md).sampled_token_ids
+                              target_logits.to(self.dev), md).sampled_token_ids
         walk = self.rt.walk
         self.rt.commit(self.aux)
         return {"tokens": tokens.clone(), "tree_positions": tree_pos,
@@ -146,12 +149,14 @@ def synthetic(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["cuda_runtime", "cpu_runtime"])
-def test_two_ranks_decide_bit_identically(kind, monkeypatch, synthetic):
+@pytest.mark.parametrize("kind, dev", [("cuda_runtime", "cpu"), ("cpu_runtime", "cpu")] +
+                         ([("cuda_runtime", "cuda")] if HAS_CUDA else []))
+def test_two_ranks_decide_bit_identically(kind, dev, monkeypatch, synthetic):
+    """On CUDA: the fused Triton bookkeeping, tree build and walk, CUDA generators."""
     cr = _runtime_module(monkeypatch)
     proposer_cls = _proposer_class(monkeypatch)
-    ranks = [Rank(cr, proposer_cls, kind, 0, synthetic) for _ in range(2)]
-    other_seed = Rank(cr, proposer_cls, kind, 1, synthetic)  # another engine seed
+    ranks = [Rank(cr, proposer_cls, kind, dev, 0, synthetic) for _ in range(2)]
+    other_seed = Rank(cr, proposer_cls, kind, dev, 1, synthetic)  # another engine seed
     changed_unseeded = False
     for step in range(4):
         draft, target = _inputs(step)
@@ -167,7 +172,7 @@ def test_two_ranks_decide_bit_identically(kind, monkeypatch, synthetic):
         for key in a:
             assert torch.equal(a[key], b[key]), (step, key)
         # the trees really are trees with depth positions (not chains)
-        assert (a["tree_positions"][1:7] - CTX["a"]).max() <= L
+        assert int((a["tree_positions"][1:7] - CTX["a"]).max()) <= L
         assert (a["tokens"][0] != 0).any()
         # another engine seed: seeded and greedy rows unchanged, so the uniforms of
         # unseeded rows come from the engine seed (and the test above could fail)
