@@ -101,11 +101,16 @@ def time_left(name: str) -> bool:
     return True
 
 
+def rank_paths(path: str) -> tuple[str, str]:
+    """Where rank 0 and rank 1 write their walk statistics (runtime.rank_path)."""
+    stem, ext = os.path.splitext(path)
+    return path, f"{stem}.rank1{ext}"
+
+
 def rank_stats(path: str) -> list:
     """The walk statistics of rank 0 and rank 1 (None where a rank wrote none)."""
-    stem, ext = os.path.splitext(path)
     out = []
-    for p in (path, f"{stem}.rank1{ext}"):
+    for p in rank_paths(path):
         try:
             with open(p) as f:
                 out.append(json.load(f))
@@ -131,6 +136,10 @@ def eq_run(name, res, out_dir, base, toks, dtype, backend, mode, sampled=False, 
     C.log("run", name)
     t0 = time.time()
     stats = os.path.join(out_dir, f"stats_{name}.json") if mode == "ddtree" else None
+    for p in rank_paths(stats) if stats else ():
+        if os.path.exists(p):  # an earlier run's
+            os.remove(p)
+    llm = None
     try:
         llm = EQ.engine(base, dtype, backend, mode, stats=stats, **TP2, **kw)
         r = res[name] = {"workers": llm.collective_rpc(_w_info)}
@@ -147,14 +156,16 @@ def eq_run(name, res, out_dir, base, toks, dtype, backend, mode, sampled=False, 
             outs = llm.generate([{"prompt_token_ids": p} for p in toks],
                                 sampled_params(len(toks), EQ.MAX_TOKENS), use_tqdm=False)
             r["sampled"] = [list(o.outputs[0].token_ids) for o in outs]
-        C.teardown(llm)
-        if stats:
+        if stats:  # each rank rewrites its file after every step: complete by now
             r["walk_per_rank"] = rank_stats(stats)
             w0, w1 = r["walk_per_rank"]
             r["ranks_identical"] = w0 == w1 if w0 is not None else None
     except Exception:
         res[name] = {"error": traceback.format_exc()[-3000:]}
         C.log("FAILED", name, res[name]["error"][-800:])
+    finally:
+        if llm is not None:
+            C.teardown(llm)
     _ENGINE_S.append(time.time() - t0)
     C.dump(os.path.join(out_dir, "tp_equality.json"), res)
 
@@ -190,6 +201,7 @@ def bench_run(name, tp, res, out_dir):
     C.log("engine", key)
     t0 = time.time()
     spec = SB.parse(name)
+    llm = None
     try:
         llm = SB.engine(spec, **(TP2 if tp == 2 else {}))
         clock = StepClock(llm)
@@ -204,10 +216,12 @@ def bench_run(name, tp, res, out_dir):
             r["steps"][str(n)] = {"step_ms": ms, "verify_steps": count, "generate_s": dt,
                                   "tokens": sum(len(o) for o in outs)}
             C.log(key, "N", n, "step ms", ms, "steps", count)
-        C.teardown(llm)
     except Exception:
         res["bench"][key] = {"error": traceback.format_exc()[-3000:]}
         C.log("FAILED", key, res["bench"][key]["error"][-800:])
+    finally:
+        if llm is not None:
+            C.teardown(llm)
     _ENGINE_S.append(time.time() - t0)
     C.dump(os.path.join(out_dir, "tp_equality.json"), res)
 
@@ -266,6 +280,11 @@ def step_table(bench: dict) -> list[str]:
         cells = [f"{v:.2f}" if v else "-" for v in vals] + \
                 [f"{x:.2f}" if x else "-" for x in ratios]
         lines.append(f"| {cfg} | " + " | ".join(cells) + " |")
+    chain, tree = BENCH_CONFIGS
+    ratios = [(ms(tree, tp, n) / ms(chain, tp, n)) if ms(tree, tp, n) and ms(chain, tp, n)
+              else None for tp, n in cols]
+    lines.append(f"| {tree} / {chain} | " + " | ".join(f"{x:.2f}" if x else "-"
+                                                       for x in ratios) + " | | |")
     return lines
 
 
