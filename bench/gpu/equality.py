@@ -32,12 +32,13 @@ TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_
             max_position_embeddings=4096)
 
 
-def engine(base, dtype, backend, mode, profile=None, eager=False, stats=None):
+def engine(base, dtype, backend, mode, profile=None, eager=False, stats=None, **llm_kw):
+    """llm_kw: more LLM arguments (tp_equality.py: tensor parallelism)."""
     from vllm import LLM
 
     kw = dict(model=f"{base}/target", skip_tokenizer_init=True, dtype=dtype, seed=0,
               max_model_len=512, max_num_seqs=N_PROMPTS, gpu_memory_utilization=0.08,
-              attention_backend=backend, enforce_eager=eager)
+              attention_backend=backend, enforce_eager=eager, **llm_kw)
     if not eager:
         k_spec = {"ddtree": B, "dflash": L}.get(mode, 0)
         sizes = [k * (1 + k_spec) for k in range(1, N_PROMPTS + 1)]
@@ -96,6 +97,16 @@ def run(name, res, out_dir, base, toks, dtype, backend, mode, **kw):
     C.dump(os.path.join(out_dir, "equality.json"), res)
 
 
+def write_profile(out_dir, tag, toks, ref) -> str:
+    """The synthetic drafter's profile: the no-spec continuations of prompts 0-3 (the
+    other prompts keep the real, random drafter)."""
+    profile = os.path.join(out_dir, f"profile_{tag}.json")
+    with open(profile, "w") as f:
+        json.dump({"sequences": [p + o for p, o in zip(toks[:4], ref[:4])],
+                   "rank_probs": [0.5, 0.25, 0.1], "seed": 0, "peak": 3.0}, f)
+    return profile
+
+
 def first_diffs(ref, got, gaps):
     """[prompt, first differing step, the no-spec top-1/top-2 logprob gap there]"""
     out = []
@@ -105,6 +116,15 @@ def first_diffs(ref, got, gaps):
             gap = gaps[i][j] if gaps and j < len(gaps[i]) else None
             out.append([i, j, None if gap is None else round(gap, 5)])
     return out
+
+
+def tiny_setup(base="/tmp/eq_models"):
+    """Write the tiny target + random DFlash drafter; return (base, the 8 prompts)."""
+    cfg = C.qwen3_config(**TINY)
+    C.write_target(f"{base}/target", cfg, random_weights=True, std=0.08)
+    C.write_drafter(f"{base}/drafter", cfg, layers=1, target_layer_ids=[1, 2],
+                    block_size=L + 1, mask_token_id=TINY["vocab_size"] - 1)
+    return base, [C.prompts(1, 8 + 7 * i, 2, 1000, seed=i)[0] for i in range(N_PROMPTS)]
 
 
 def plan(version: str) -> list[tuple]:
@@ -124,12 +144,7 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     import vllm
 
-    base = "/tmp/eq_models"
-    cfg = C.qwen3_config(**TINY)
-    C.write_target(f"{base}/target", cfg, random_weights=True, std=0.08)
-    C.write_drafter(f"{base}/drafter", cfg, layers=1, target_layer_ids=[1, 2],
-                    block_size=L + 1, mask_token_id=TINY["vocab_size"] - 1)
-    toks = [C.prompts(1, 8 + 7 * i, 2, 1000, seed=i)[0] for i in range(N_PROMPTS)]
+    base, toks = tiny_setup()
     res = {"config": {"B": B, "L": L, "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS,
                       "tiny": TINY, "vllm": vllm.__version__,
                       "runner_env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}}
@@ -142,12 +157,7 @@ def main():
         ref_name = f"{tag}_nospec_" + ("eager" if ref_eager else "graphs")
         run(ref_name, res, out_dir, base, toks, dtype, backend, "nospec", eager=ref_eager)
         ref = res[ref_name].get("tokens")
-        profile = None
-        if ref:
-            profile = os.path.join(out_dir, f"profile_{tag}.json")
-            with open(profile, "w") as f:  # synthetic drafter for prompts 0-3 only
-                json.dump({"sequences": [p + o for p, o in zip(toks[:4], ref[:4])],
-                           "rank_probs": [0.5, 0.25, 0.1], "seed": 0, "peak": 3.0}, f)
+        profile = write_profile(out_dir, tag, toks, ref) if ref else None
         kinds = ["graphs"] + (["eager"] if with_eager else [])
         for kind in kinds:
             run(f"{tag}_ddtree_{kind}", res, out_dir, base, toks, dtype, backend, "ddtree",

@@ -2,7 +2,7 @@
 # The whole H200 session in one command (after install_remote.sh put the patched vLLM
 # 0.20.2 bundle in /tmp/vb).  Every stage has its own timeout and writes under $OUT,
 # so a stage that fails or runs out of time leaves the others' results.
-#   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests sweep eq kernel bench repeat",
+#   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests sweep eq kernel bench repeat tp",
 #                                         BENCH_CONFIGS, T_TESTS, T_EQ, T_KERNEL, T_BENCH,
 #                                         GPU_PATCH: the overlay of patched files, made by
 #                                         bench/gpu/make_overlay.py; default .gpu-patch)
@@ -56,6 +56,11 @@ for s in $STAGES; do
       stamp equality
       timeout "$(left ${T_EQ:-170})" python3 "$HERE/equality.py" "$OUT" > "$OUT/equality_log.txt" 2>&1
       echo "rc=$?"; grep -E "SUMMARY|walk|eager tree|FAILED|Error" "$OUT/equality_log.txt" | cut -c1-400 | tail -20 ;;
+    tp)  # two GPUs: DDTree at tensor_parallel_size=2 (tp_equality.py)
+      stamp tp
+      TP_DEADLINE_S=$(( $(left ${T_TP:-480}) - 30 )) timeout "$(left ${T_TP:-480})" \
+        python3 "$HERE/tp_equality.py" "$OUT/tp" > "$OUT/tp_log.txt" 2>&1
+      echo "rc=$?"; grep -E "SUMMARY|^\||FAILED|SKIPPED|done in" "$OUT/tp_log.txt" | cut -c1-900 | tail -30 ;;
     kernel)
       stamp kernel
       timeout "$(left ${T_KERNEL:-60})" python3 "$HERE/kernel_bench.py" "$OUT" 2>&1 | grep -v Warning | tail -20 ;;
@@ -76,5 +81,6 @@ for s in $STAGES; do
   esac
 done
 stamp done
-cp "$OUT"/step_bench.json "$OUT"/equality.json "$OUT"/attn_tuning.json "$FINAL"/ 2>/dev/null
+cp "$OUT"/step_bench.json "$OUT"/equality.json "$OUT"/attn_tuning.json "$OUT"/tp/tp_equality.json \
+  "$FINAL"/ 2>/dev/null
 tar czf "$FINAL/results.tgz" -C "$OUT" --exclude='*.safetensors' . && ls -la "$FINAL"

@@ -68,7 +68,8 @@ def make_models():
                         d["block_size"], d["mask_token_id"], std=0.02)
 
 
-def engine(spec: dict):
+def engine(spec: dict, **llm_kw):
+    """llm_kw: more LLM arguments (tp_equality.py: tensor parallelism)."""
     from vllm import LLM
     from vllm.config import LoadConfig
 
@@ -89,7 +90,7 @@ def engine(spec: dict):
             sc["method"] = "dflash"
             kw["async_scheduling"] = bool(spec.get("async_sched"))
         kw["speculative_config"] = sc
-    return LLM(**kw)
+    return LLM(**kw, **llm_kw)
 
 
 class Hooks:

@@ -116,5 +116,31 @@ def ddtree_vllm_config(vllm_config) -> None:
         raise ValueError("method='ddtree' runs on the V1 model runner: unset "
                          "VLLM_USE_V2_MODEL_RUNNER (or set VLLM_DDTREE_V2=1 to try "
                          "the V2 runner path, not yet proven on a GPU)")
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise ValueError("method='ddtree' does not support pipeline parallelism yet")
+    refuse_parallelism(vllm_config.parallel_config)
+
+
+def refuse_parallelism(par) -> None:
+    """Tensor parallelism is supported (every rank builds and walks the same trees);
+    the other kinds of parallelism are refused until proven."""
+    tp = "tensor parallelism (--tensor-parallel-size) is supported"
+    if par.pipeline_parallel_size > 1:
+        raise ValueError("method='ddtree' does not support pipeline parallelism yet "
+                         f"(pipeline_parallel_size={par.pipeline_parallel_size}): use "
+                         f"tensor parallelism instead; {tp}")
+    if getattr(par, "data_parallel_size", 1) > 1:
+        raise ValueError("method='ddtree' does not support data parallelism yet "
+                         f"(data_parallel_size={par.data_parallel_size}): run one "
+                         "engine per replica behind a load balancer instead; " + tp)
+    if getattr(par, "enable_expert_parallel", False) or getattr(par, "enable_eplb", False):
+        raise ValueError("method='ddtree' is not proven with expert parallelism yet: "
+                         "drop enable_expert_parallel / enable_eplb "
+                         f"(--enable-expert-parallel, --enable-eplb); {tp}")
+    if getattr(par, "enable_dbo", False) or getattr(par, "ubatch_size", 0) > 1:
+        raise ValueError("method='ddtree' does not support micro-batching (dual batch "
+                         "overlap) yet: drop enable_dbo / ubatch_size (--enable-dbo)")
+    for name, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
+                       ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+        size = getattr(par, name, 1)
+        if size > 1:
+            raise ValueError(f"method='ddtree' does not support context parallelism yet "
+                             f"({name}={size}): leave {flag} at 1; {tp}")

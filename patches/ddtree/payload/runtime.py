@@ -46,10 +46,12 @@ class Step:
 
 
 class Stats:
-    """Walk counters; written to $VLLM_DDTREE_STATS_FILE (JSON) when it is set."""
+    """Walk counters; written to $VLLM_DDTREE_STATS_FILE (JSON) when it is set.  Under
+    tensor parallelism every rank writes its own file (rank_path): identical files
+    show that the ranks walked the same trees to the same paths."""
 
     def __init__(self):
-        self.path = os.environ.get("VLLM_DDTREE_STATS_FILE")
+        self.path = rank_path(os.environ.get("VLLM_DDTREE_STATS_FILE"))
         self.d = {"steps": 0, "trees": 0, "accepted": 0, "accepted_per_depth": {},
                   "accepted_non_first_child": 0, "max_accepted": 0, "drafted": 0}
 
@@ -78,6 +80,20 @@ class Stats:
         with open(tmp, "w") as f:
             json.dump(self.d, f)
         os.replace(tmp, self.path)
+
+
+def rank_path(path: str | None) -> str | None:
+    """Rank 0 (and a single process) writes ``path``; rank r > 0 of a distributed
+    world writes ``<stem>.rank<r><ext>``."""
+    import torch.distributed as dist
+
+    if path is None or not (dist.is_available() and dist.is_initialized()):
+        return path
+    rank = dist.get_rank()
+    if rank == 0:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext}"
 
 
 class DDTreeRuntime:

@@ -5,6 +5,13 @@ path then the bonus token, -1 padded.  Verify rows per request: row 0 is the roo
 (the token the step started from), row 1 + j is draft node j.  Greedy: follow the
 child whose token is the target argmax.  Sampling: target-only and lossless
 (core.walk_sampled); temperature / top-k / top-p as vLLM applies them.
+
+Rank determinism (tensor parallelism): every rank runs this sampler on the same
+all-gathered logits and must walk to the same path.  The walk's uniforms come from the
+request's own generator (seeded requests, as in vLLM's samplers) or from a generator
+the walk owns (the others), seeded from the engine seed and advanced only here: never
+torch's global RNG, so nothing else that draws random numbers on one rank (a plugin,
+a warm-up, another sampler) can move the walk of that rank.
 """
 
 from __future__ import annotations
@@ -16,12 +23,17 @@ from vllm.v1.outputs import SamplerOutput
 
 from .core import DDTree, target_probs, walk_greedy, walk_sampled
 
+WALK_SEED_SALT = 0xDD7EE  # the walk's own stream, apart from the engine seed's
+
 
 class DDTreeSampler(nn.Module):
     def __init__(self, runtime, sampler):
         super().__init__()
         self.runtime = runtime
         self.sampler = sampler
+        model_config = getattr(runtime.runner, "model_config", None)
+        self.seed = walk_seed(getattr(model_config, "seed", None))
+        self._generator = None  # made on the logits' device at the first sampled walk
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         num_drafts = list(metadata.num_draft_tokens)
@@ -80,13 +92,23 @@ class DDTreeSampler(nn.Module):
                                                    device=dev),
                       max_depth=max(num_drafts), max_budget=dmax)
 
-    @staticmethod
-    def _uniforms(n, width, sampling_metadata, dev) -> torch.Tensor:
-        u = torch.rand(n, width, device=dev)
+    def _uniforms(self, n, width, sampling_metadata, dev) -> torch.Tensor:
+        """[n, width] uniforms: the walk's own generator, then each seeded request's
+        row from its generator (both advance identically on every rank)."""
+        if self._generator is None or self._generator.device != torch.device(dev):
+            self._generator = torch.Generator(device=dev).manual_seed(self.seed)
+        u = torch.rand(n, width, device=dev, generator=self._generator)
         for i, gen in sampling_metadata.generators.items():
             if i < n:
                 u[i] = torch.rand(width, generator=gen, device=gen.device).to(dev)
         return u
+
+
+def walk_seed(engine_seed) -> int:
+    """The walk generator's seed: a function of the engine seed only (the same on every
+    rank), mixed so its stream is not the one torch's global RNG was seeded with."""
+    x = ((engine_seed or 0) ^ WALK_SEED_SALT) * 0x9E3779B97F4A7C15
+    return (x ^ (x >> 29)) & ((1 << 63) - 1)
 
 
 def _cut(t, n):

@@ -1,0 +1,63 @@
+"""What DDTree accepts of vLLM's parallelism (payload/config.py): tensor parallelism
+runs; pipeline, data, expert and context parallelism and micro-batching are refused
+with a message that says what to do.  Stand-in configs carry the fields vLLM's
+ParallelConfig has (0.20.x to 0.33.0); the engine tier refuses one for real."""
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from .conftest import payload_module
+
+
+def _par(**kw):
+    base = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+                enable_expert_parallel=False, enable_eplb=False, enable_dbo=False,
+                ubatch_size=0, decode_context_parallel_size=1,
+                prefill_context_parallel_size=1)
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tensor_parallel_is_accepted(tp):
+    payload_module("config").refuse_parallelism(_par(tensor_parallel_size=tp))
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
+    ({"data_parallel_size": 2}, "data parallelism"),
+    ({"enable_expert_parallel": True}, "expert parallelism"),
+    ({"enable_eplb": True}, "expert parallelism"),
+    ({"enable_dbo": True}, "micro-batching"),
+    ({"ubatch_size": 2}, "micro-batching"),
+    ({"decode_context_parallel_size": 2}, "decode_context_parallel_size=2"),
+    ({"prefill_context_parallel_size": 2}, "prefill_context_parallel_size=2"),
+])
+def test_other_parallelism_is_refused(fields, words):
+    with pytest.raises(ValueError) as e:
+        payload_module("config").refuse_parallelism(_par(tensor_parallel_size=2, **fields))
+    msg = str(e.value)
+    assert "method='ddtree'" in msg and words in msg
+    if "micro" not in words:  # and it says what does work
+        assert "tensor parallelism (--tensor-parallel-size) is supported" in msg
+
+
+def test_engine_config_hook_refuses(monkeypatch):
+    """ddtree_vllm_config (the VllmConfig.__post_init__ hook) applies the refusals;
+    an older ParallelConfig without the newer fields is fine."""
+    envs = types.ModuleType("vllm.envs")
+    envs.VLLM_USE_V2_MODEL_RUNNER = False
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.envs", envs)
+    cfg = payload_module("config")
+
+    def vllm_config(par):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=None),
+                               parallel_config=par)
+
+    cfg.ddtree_vllm_config(vllm_config(SimpleNamespace(
+        tensor_parallel_size=2, pipeline_parallel_size=1)))
+    with pytest.raises(ValueError, match="data parallelism"):
+        cfg.ddtree_vllm_config(vllm_config(_par(data_parallel_size=4)))
