@@ -90,7 +90,7 @@ class Rank:
         p.ddtree_budget, p.ddtree_depth, p.num_speculative_tokens = B, L, L
         p.model = SimpleNamespace(compute_logits=lambda h: h)
         p._ddtree_runner, p._ddtree_tokens, p._ddtree_call = runner, None, None
-        p._ddtree_synthetic = None
+        p._ddtree_synthetic, p.ddtree_controller = None, None
         if synthetic_path:  # request "a" gets the synthetic drafter's distributions
             synth = payload_module("synthetic").SyntheticDrafter
             p._ddtree_synthetic = synth.load(synthetic_path)
