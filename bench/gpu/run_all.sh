@@ -56,6 +56,29 @@ for s in $STAGES; do
       stamp equality
       timeout "$(left ${T_EQ:-170})" python3 "$HERE/equality.py" "$OUT" > "$OUT/equality_log.txt" 2>&1
       echo "rc=$?"; grep -E "SUMMARY|walk|eager tree|FAILED|Error" "$OUT/equality_log.txt" | cut -c1-400 | tail -20 ;;
+    v2eq)  # the V2 runner: equality_v2.py, one configuration per row
+      for row in ${V2EQ_ROWS:-TRITON_ATTN:graphs FLASH_ATTN:graphs}; do
+        attn=${row%%:*}; g=""; [ "${row#*:}" = graphs ] && g="--graphs"
+        stamp "v2eq $row"
+        timeout "$(left ${T_V2EQ:-240})" python3 "$HERE/equality_v2.py" "$OUT/v2_${attn}_${row#*:}" \
+          --attn "$attn" $g > "$OUT/v2eq_${attn}_${row#*:}.txt" 2>&1
+        echo "rc=$?"; grep -E "^\||RESULT|Traceback|Error" "$OUT/v2eq_${attn}_${row#*:}.txt" | cut -c1-300 | tail -14
+      done ;;
+    splitbench)  # split vs single-kernel tree attention vs FA3, per layer
+      stamp splitbench
+      timeout "$(left ${T_SPLIT:-200})" python3 "$HERE/split_attn_bench.py" "$OUT/split" \
+        > "$OUT/split_log.txt" 2>&1
+      echo "rc=$?"; grep -E "^\||Error" "$OUT/split_log.txt" | cut -c1-250 | tail -40 ;;
+    core)  # tree build: fused top-K vs previous path vs CPU heap
+      stamp core
+      (cd "$ROOT" && timeout "$(left ${T_CORE:-150})" python3 bench/bench_core.py --only build \
+        --out "$OUT/core" > "$OUT/core_log.txt" 2>&1)
+      echo "rc=$?"; grep -E "target|^\|" "$OUT/core_log.txt" | cut -c1-250 | tail -30 ;;
+    gdn)  # tree GDN vs chain GDN per layer (Qwen3.6-27B head sizes)
+      stamp gdn
+      (cd "$ROOT" && timeout "$(left ${T_GDN:-120})" python3 bench/gpu/gdn_bench.py "$OUT/gdn" \
+        > "$OUT/gdn_log.txt" 2>&1)
+      echo "rc=$?"; grep -E "^\||Error" "$OUT/gdn_log.txt" | cut -c1-250 | tail -20 ;;
     tp)  # two GPUs: DDTree at tensor_parallel_size=2 (tp_equality.py)
       stamp tp
       TP_DEADLINE_S=$(( $(left ${T_TP:-480}) - 30 )) timeout "$(left ${T_TP:-480})" \
@@ -83,4 +106,5 @@ done
 stamp done
 cp "$OUT"/step_bench.json "$OUT"/equality.json "$OUT"/attn_tuning.json "$OUT"/tp/tp_equality.json \
   "$FINAL"/ 2>/dev/null
+for f in "$OUT"/v2_*/equality_v2.json; do [ -f "$f" ] && cp "$f" "$FINAL/$(basename "$(dirname "$f")").json"; done
 tar czf "$FINAL/results.tgz" -C "$OUT" --exclude='*.safetensors' . && ls -la "$FINAL"
