@@ -104,3 +104,23 @@ def ddtree_vllm_config(vllm_config) -> None:
                          "VLLM_USE_V2_MODEL_RUNNER")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("method='ddtree' does not support pipeline parallelism yet")
+    refuse_recurrent_target(vllm_config.model_config)
+
+
+def refuse_recurrent_target(model_config) -> None:
+    """Targets with recurrent layers (Gated DeltaNet, Mamba, linear attention) keep a
+    per-request state and short convolution that a tree verify would run as one
+    linear sequence: wrong for every node off the first path.  Refused."""
+    if model_config is None:
+        return
+    if not (model_config.is_hybrid or model_config.is_attention_free
+            or getattr(model_config, "has_inner_state", False)):
+        return
+    text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    kinds = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
+    kinds = sorted(set(kinds)) if kinds else "recurrent"
+    raise ValueError(
+        f"method='ddtree' does not support targets with recurrent layers (Gated "
+        f"DeltaNet / Mamba / linear attention) yet: "
+        f"{getattr(model_config.hf_config, 'architectures', None)} has layer types "
+        f"{kinds}. Serve it with method='dflash' (a chain) or without speculation.")
