@@ -65,6 +65,7 @@ GDN = Transform(
             "short convolution, committed along the accepted path (CPU backend; "
             "0.20.x: refused)",
     reference="issue 12; TreeWY arXiv 2608.20961",
-    families=(Family(versions=V0_32, edits=(gdn_v0_32.CPU_GDN_EDIT,)),),
+    families=(Family(versions=V0_32, edits=(gdn_v0_32.CPU_GDN_EDIT,
+                                            gdn_v0_32.GDN_BASE_EDIT)),),
     requires=("ddtree-sampler",),
 )

@@ -61,6 +61,8 @@ def unsupported_reason(vllm_config) -> str | None:
     if cache.enable_prefix_caching or getattr(cache, "mamba_cache_mode", "none") != "none":
         return ("prefix caching of the GDN state (mamba_cache_mode 'align') is not "
                 "handled: pass enable_prefix_caching=False")
+    if getattr(cache, "use_replayssm", False):
+        return "ReplaySSM is not handled: turn it off"
     if mc.dtype != torch.bfloat16:
         return "vLLM's CPU GDN kernels run in bfloat16 only: pass dtype='bfloat16'"
     return None
