@@ -102,7 +102,8 @@ def _hybrid(spec: dict, rng) -> tuple[bool, str]:
         prompts = [[rng.randrange(2, 500) for _ in range(3 + 5 * i)] for i in range(4)]
         common = dict(model=pair["target"], skip_tokenizer_init=True, dtype="bfloat16",
                       max_model_len=256, enforce_eager=True, seed=0,
-                      enable_prefix_caching=False, distributed_executor_backend="uni")
+                      enable_prefix_caching=False, disable_log_stats=False,
+                      distributed_executor_backend="uni")
         base, m = _generate(common, prompts, 16, logprobs=2)
         got, _ = _generate({**common, "speculative_config": {
             "method": "ddtree", "model": pair["drafter"], "num_speculative_tokens": 8}},
@@ -115,5 +116,6 @@ def _hybrid(spec: dict, rng) -> tuple[bool, str]:
                            f"{i}, token {j} (no-spec top-2 gap {m['gaps'][i][j]:.3f}): "
                            f"{a[j:j + 4]} vs {b[j:j + 4]}")
         compared += j
-    return True, (f"GDN hybrid (bf16): {compared}/{sum(map(len, base))} tokens equal, "
-                  f"the rest after bf16 near ties")
+    total = sum(map(len, base))
+    return True, (f"GDN hybrid (bf16): {compared}/{total} tokens identical"
+                  + ("" if compared == total else ", the rest after bf16 near ties"))
