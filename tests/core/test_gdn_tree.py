@@ -148,11 +148,12 @@ def test_siblings_with_equal_inputs_tie():
 
 @pytest.mark.parametrize("b", [1, 64, 256])
 def test_float32_verify_at_large_budgets(b):
-    """float32 (what serving runs) against the float64 per-node states, B up to 256."""
+    """float32 (what serving runs) against float64 chains along every path, B up to
+    256."""
     n, h, hv, kd, vd = 2, 2, 4, 32, 32
     parents = make_parents("ddtree", n, b, seed=7)
     x = make_inputs(n, b + 1, h, hv, kd, vd, seed=5)
-    o_ref, s_ref = tree_gdn_reference(**x, parents=parents, scale=kd ** -0.5)
+    o_ref, s_ref = chain_per_node(x, parents, kd ** -0.5)
     x32 = {k: v.float() for k, v in x.items()}
     o, stash = tree_gdn_verify(**x32, mask=tree_mask(parents, "torch"), scale=kd ** -0.5,
                                backend="torch")
