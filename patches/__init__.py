@@ -1,9 +1,10 @@
 """The registry of transforms, in the order they are composed onto a file."""
 
+from .ddtree import GDN as DDTREE_GDN
 from .ddtree import PROPOSER as DDTREE_PROPOSER
 from .ddtree import SAMPLER as DDTREE_SAMPLER
 from .dflash_layer_offset import TRANSFORM as DFLASH_LAYER_OFFSET
 from .dflash_swa import TRANSFORM as DFLASH_SWA
 
-TRANSFORMS = (DFLASH_LAYER_OFFSET, DFLASH_SWA, DDTREE_PROPOSER, DDTREE_SAMPLER)
+TRANSFORMS = (DFLASH_LAYER_OFFSET, DFLASH_SWA, DDTREE_PROPOSER, DDTREE_SAMPLER, DDTREE_GDN)
 BY_NAME = {t.name: t for t in TRANSFORMS}

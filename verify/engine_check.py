@@ -1,6 +1,8 @@
 """Engine check: a tiny random Qwen3 target + DFlash drafter built in a temp folder,
 greedy no-spec vs DDTree (random drafter, then a synthetic drafter that forces deep
-and sibling accepts), tokens must be identical; reports the mean accepted length."""
+and sibling accepts), tokens must be identical; reports the mean accepted length.
+With ddtree-gdn on the CPU backend, also a tiny Qwen3-Next hybrid (GDN layers, bf16):
+greedy DDTree == no-spec except at bf16 near ties (no-spec top-2 gap < HYBRID_EPS)."""
 
 from __future__ import annotations
 
@@ -14,15 +16,20 @@ ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS"
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def _generate(llm_kwargs: dict, prompts, max_tokens: int):
+HYBRID_EPS = 0.125
+
+
+def _generate(llm_kwargs: dict, prompts, max_tokens: int, logprobs: int | None = None):
     from vllm import LLM, SamplingParams
 
     llm = LLM(**llm_kwargs)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        detokenize=False)
+                        detokenize=False, logprobs=logprobs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     counts = {}
+    if logprobs:  # top-1 / top-2 gap per step
+        counts["gaps"] = [[_gap(step) for step in o.outputs[0].logprobs] for o in outs]
     for m in llm.get_metrics():
         if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"):
             counts[m.name] = getattr(m, "value", 0)
@@ -74,4 +81,41 @@ def run(spec: dict) -> tuple[bool, str]:
             acc = m.get("vllm:spec_decode_num_accepted_tokens", 0) or 0
             tau = 1 + acc / drafts if drafts else float("nan")
             report.append(f"{name}: identical, mean accepted length {tau:.2f}")
-    return True, "greedy DDTree == no-spec on 8 prompts; " + "; ".join(report)
+    ok, hybrid = _hybrid(spec, rng)
+    return ok, "greedy DDTree == no-spec on 8 prompts; " + "; ".join(report) + "; " + hybrid
+
+
+def _gap(step) -> float:
+    top = sorted((lp.logprob for lp in step.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def _hybrid(spec: dict, rng) -> tuple[bool, str]:
+    from vllm.platforms import current_platform
+
+    if "ddtree-gdn" not in spec["applied"] or not current_platform.is_cpu():
+        return True, "GDN hybrid check skipped (needs ddtree-gdn on the CPU backend)"
+    from . import tiny_hybrid
+
+    with tempfile.TemporaryDirectory(prefix="ddtree-verify-hybrid-") as tmp:
+        pair = tiny_hybrid.write_pair(tmp)
+        prompts = [[rng.randrange(2, 500) for _ in range(3 + 5 * i)] for i in range(4)]
+        common = dict(model=pair["target"], skip_tokenizer_init=True, dtype="bfloat16",
+                      max_model_len=256, enforce_eager=True, seed=0,
+                      enable_prefix_caching=False, disable_log_stats=False,
+                      distributed_executor_backend="uni")
+        base, m = _generate(common, prompts, 16, logprobs=2)
+        got, _ = _generate({**common, "speculative_config": {
+            "method": "ddtree", "model": pair["drafter"], "num_speculative_tokens": 8}},
+            prompts, 16)
+    compared = 0
+    for i, (a, b) in enumerate(zip(base, got)):
+        j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        if j < len(a) and m["gaps"][i][j] >= HYBRID_EPS:
+            return False, (f"DDTree on a GDN hybrid differs from no-spec decoding: prompt "
+                           f"{i}, token {j} (no-spec top-2 gap {m['gaps'][i][j]:.3f}): "
+                           f"{a[j:j + 4]} vs {b[j:j + 4]}")
+        compared += j
+    total = sum(map(len, base))
+    return True, (f"GDN hybrid (bf16): {compared}/{total} tokens identical"
+                  + ("" if compared == total else ", the rest after bf16 near ties"))

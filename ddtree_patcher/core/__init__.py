@@ -46,11 +46,15 @@ compact_kv(kv_caches, block_table, block_size, start_positions [N], accepted_row
     [2, blocks, bs, H, D], 'heads_packed' [blocks, H, bs, 2D] (vLLM 0.32.0).
 compaction_slots / compact_kv_slots: the same through slot ids.
 
+gdn_tree: Gated DeltaNet layers on a tree (verify from the committed state, tree
+    short convolution, commit along the accepted path); see its docstring.
+
 backend: 'auto' (Triton on CUDA tensors when importable, else torch), 'torch',
 'triton' (CUDA, or CPU under TRITON_INTERPRET=1).  Both agree exactly.
 """
 
 from ._triton import HAS_TRITON
+from . import gdn_tree
 from .heap_reference import build_tree_ports_style, heap_build, reference_tree
 from .kv_compact import LAYOUTS, compact_kv, compact_kv_slots, compaction_slots, token_view
 from .sampling import apply_top_k_top_p, target_probs
@@ -68,7 +72,7 @@ from .vocab_topk import row_logsumexp, vocab_topk
 from .tree_walk import WalkResult, masses, walk_greedy, walk_sampled
 
 __all__ = [
-    "HAS_TRITON", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "chain_scores", "vocab_topk",
+    "HAS_TRITON", "gdn_tree", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "chain_scores", "vocab_topk",
     "row_logsumexp", "ancestor_mask", "canonical_topk",
     "quantize_logprobs", "heap_build", "reference_tree", "build_tree_ports_style", "WalkResult",
     "walk_greedy", "walk_sampled", "masses", "target_probs", "apply_top_k_top_p", "compact_kv",

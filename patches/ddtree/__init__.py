@@ -2,12 +2,14 @@
 tree of B drafts, plus the added package vllm/v1/spec_decode/ddtree) and
 ``ddtree-sampler`` (verify the whole tree in one target pass, walk it, commit the
 accepted path).  Hooks per version family: ``v0_20`` (0.20.0-0.20.2, CUDA tree
-attention) and ``v0_32`` (0.32.0, 0.33.0; ``v2_v0_32``: their V2 model runner)."""
+attention) and ``v0_32`` (0.32.0, 0.33.0; ``v2_v0_32``: their V2 model runner).
+``ddtree-gdn`` (gdn_v0_32): Gated DeltaNet hybrid targets, CPU backend of 0.32.0 /
+0.33.0."""
 
 from pathlib import Path
 
 from ..framework import AddedFile, Family, Transform
-from . import v0_20, v0_32, v2_v0_32
+from . import gdn_v0_32, v0_20, v0_32, v2_v0_32
 
 PAYLOAD = Path(__file__).parent / "payload"
 
@@ -58,4 +60,15 @@ SAMPLER = Transform(
                                             v0_32.CPU_ATTN_EDIT, v0_32.FLASH_EDIT,
                                             v0_32.TRITON_EDIT, *v2_v0_32.SAMPLER_EDITS))),
     requires=("ddtree-proposer",),
+)
+
+GDN = Transform(
+    name="ddtree-gdn",
+    summary="DDTree on Gated DeltaNet hybrids (Qwen3-Next/3.5/3.6): tree GDN state and "
+            "short convolution, committed along the accepted path (CPU backend; "
+            "0.20.x: refused)",
+    reference="issue 12; TreeWY arXiv 2608.20961",
+    families=(Family(versions=V0_32, edits=(gdn_v0_32.CPU_GDN_EDIT,
+                                            gdn_v0_32.GDN_BASE_EDIT)),),
+    requires=("ddtree-sampler",),
 )

@@ -117,6 +117,7 @@ def ddtree_vllm_config(vllm_config) -> None:
                          "VLLM_USE_V2_MODEL_RUNNER (or set VLLM_DDTREE_V2=1 to try "
                          "the V2 runner path, not yet proven on a GPU)")
     refuse_parallelism(vllm_config.parallel_config)
+    refuse_recurrent_target(vllm_config)
 
 
 def refuse_parallelism(par) -> None:
@@ -144,3 +145,30 @@ def refuse_parallelism(par) -> None:
         if size > 1:
             raise ValueError(f"method='ddtree' does not support context parallelism yet "
                              f"({name}={size}): leave {flag} at 1; {tp}")
+
+
+def refuse_recurrent_target(vllm_config) -> None:
+    """Targets with recurrent layers (Gated DeltaNet, Mamba, linear attention) keep a
+    per-request state and short convolution that a plain verify would run over the
+    tree as one linear sequence: wrong for every node off the first path.  Refused,
+    except where the tree path exists (gdn.py)."""
+    model_config = vllm_config.model_config
+    if model_config is None:
+        return
+    if not (model_config.is_hybrid or model_config.is_attention_free
+            or getattr(model_config, "has_inner_state", False)):
+        return
+    from .gdn import unsupported_reason
+
+    why = unsupported_reason(vllm_config)
+    if why is None:
+        return
+    text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    kinds = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
+    kinds = sorted(set(kinds)) if kinds else "recurrent"
+    raise ValueError(
+        f"method='ddtree' does not support targets with recurrent layers (Gated "
+        f"DeltaNet / Mamba / linear attention) here: "
+        f"{getattr(model_config.hf_config, 'architectures', None)} has layer types "
+        f"{kinds}; {why}. Or serve it with method='dflash' (a chain) or without "
+        f"speculation.")

