@@ -55,7 +55,7 @@ def test_engine_config_hook_refuses(monkeypatch):
 
     def vllm_config(par):
         return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=None),
-                               parallel_config=par)
+                               parallel_config=par, model_config=None)
 
     cfg.ddtree_vllm_config(vllm_config(SimpleNamespace(
         tensor_parallel_size=2, pipeline_parallel_size=1)))

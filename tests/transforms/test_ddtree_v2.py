@@ -189,7 +189,8 @@ def test_v2_runner_env_refused_unless_opted_in(config_module, monkeypatch):
     envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=True)
     sys.modules["vllm"].envs = envs
     cfg = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False),
-                          parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+                          parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+                          model_config=None)
     monkeypatch.delenv("VLLM_DDTREE_V2", raising=False)
     with pytest.raises(ValueError, match="VLLM_DDTREE_V2=1"):
         config_module.ddtree_vllm_config(cfg)
