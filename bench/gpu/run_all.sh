@@ -46,7 +46,7 @@ for s in $STAGES; do
     tests)
       stamp tests
       (cd "$ROOT" && timeout "$(left ${T_TESTS:-90})" python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu 2>&1 | tail -15) | tee "$OUT/pytest_gpu.txt" ;;
+        ${GPU_TESTS:-tests/gpu} 2>&1 | tail -15) | tee "$OUT/pytest_gpu.txt" ;;
     sweep)
       stamp sweep
       env -u VLLM_DDTREE_ATTN_TUNING SWEEP_BUDGET_S=${T_SWEEP:-150} timeout "$(left $(( ${T_SWEEP:-150} + 60 )))" \
