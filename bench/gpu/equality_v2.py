@@ -73,8 +73,11 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
     from vllm import LLM
 
     kw = dict(model=m["target"], skip_tokenizer_init=True, dtype=a.dtype, seed=0,
-              max_model_len=512, max_num_seqs=N_PROMPTS, gpu_memory_utilization=0.1,
-              attention_backend=a.attn, enforce_eager=eager, disable_log_stats=False)
+              max_model_len=512, max_num_seqs=N_PROMPTS, attention_backend=a.attn,
+              enforce_eager=eager, disable_log_stats=False,
+              # a fixed KV size: no memory profiling, so an engine that failed and is
+              # still being freed cannot break the next one's start
+              kv_cache_memory_bytes=2 << 30)
     if not eager:  # the verify steps' shapes (1 + B per request) and the drafter's (1 + L)
         qs = {1 + a.budget, 1 + min(a.depth, a.budget)} if mode == "ddtree" else {1}
         sizes = sorted({k * q for q in qs for k in range(1, N_PROMPTS + 1)})

@@ -218,3 +218,23 @@ def test_apply_status_revert_touches_the_v2_files(tree, cli, dist, version):
     cli("revert", "--site-packages", site, check=0)
     assert {e.path: (site / e.path).read_bytes() for e in EDITS} == before
     assert record_mismatches(find_target(site_packages=str(site))) == []
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_tree_sampler_has_what_the_runner_reads_of_its_rejection_sampler(pristine, version):
+    """The V2 runner's code reads attributes of `model_runner.rejection_sampler` (e.g.
+    warm-up toggles enable_adaptive_verification): the tree sampler in its place must
+    have every one of them (an H200 run died on the missing one)."""
+    import re
+
+    gpu = pristine("vllm", version) / "vllm/v1/worker/gpu"
+    read = set()
+    for f in gpu.rglob("*.py"):
+        read |= set(re.findall(r"\brejection_sampler\.(\w+)", f.read_text()))
+    src = (PAYLOAD / "v2_sampler.py").read_text()
+    cls = next(n for n in ast.parse(src).body
+               if isinstance(n, ast.ClassDef) and n.name == "DDTreeV2Sampler")
+    have = {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Name)} | \
+        {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert read and read <= have, read - have

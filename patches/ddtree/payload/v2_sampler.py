@@ -21,6 +21,10 @@ from .core import target_probs, walk_greedy, walk_sampled
 
 
 class DDTreeV2Sampler:
+    # V2's warm-up switches RejectionSampler's adaptive verification off and on; the
+    # tree sampler has none (adaptive verification is refused with DDTree)
+    enable_adaptive_verification = False
+
     def __init__(self, runtime, sampler):
         self.runtime = runtime
         self.sampler = sampler  # V2's Sampler: sampling states (temperature, seeds, ...)
