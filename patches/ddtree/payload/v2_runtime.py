@@ -92,7 +92,7 @@ def check_runner(runner) -> None:
         raise NotImplementedError(
             "method='ddtree' on vLLM's V2 model runner does not support "
             + "; ".join(bad) + ". Drop it, or run DDTree on the V1 runner "
-            "(unset VLLM_DDTREE_V2 / set VLLM_USE_V2_MODEL_RUNNER=0).")
+            "(VLLM_DDTREE_V2=0, or VLLM_USE_V2_MODEL_RUNNER=0).")
 
 
 def make_runtime(runner) -> "V2DDTree":
