@@ -122,7 +122,7 @@ def _recover_drift(done: dict) -> PatchError:
 def _recover(t: Target, state: State) -> dict | None:
     if state.has_journal():
         _check_bound(t, state, state.load_journal())
-    elif not state.dir.exists():
+    elif not state.dir.is_dir():
         return None
     return rollback(t, state)
 
@@ -292,6 +292,7 @@ def status(t: Target) -> dict:
     try:
         saved = [state.load_journal() if doc["interrupted"] else None, state.load_manifest()]
         _check_bound(t, state, *saved)
+        doc["interrupted"] = doc["interrupted"] or bool(state.leftovers(saved[1]))
     except PatchError as exc:
         if exc.code != DRIFT:
             raise

@@ -116,6 +116,7 @@ def execute(p: Plan, state: State, current: Manifest | None, op_name: str) -> bo
         _undo(t, state, op_name, exc)
     state.clear_journal()
     state.prune_backups(_keep(p.manifest))
+    state.tidy()
     return True
 
 
@@ -137,13 +138,17 @@ def rollback(t: Target, state: State) -> dict | None:
     """Finish or undo the journaled run.  Returns what was done, or None (no journal).
     The caller holds the lock and has checked that the journal belongs to ``t``."""
     j = state.load_journal()
-    for e in j.entries if j else ():
+    if j is None:  # killed before its journal was written: nothing in vLLM changed
+        left = state.leftovers(state.load_manifest())
+        state.clean_temp()
+        state.clear_journal()
+        state.prune_backups(_keep(state.load_manifest()))
+        state.tidy()
+        return {"op": "run", "action": "state folder cleaned (nothing in vLLM was "
+                "written)", "restored": [], "drift": [], "removed": left} if left else None
+    for e in j.entries:
         remove_file(t.path(e.path).parent / e.tmp)
     state.clean_temp()
-    if j is None:
-        state.clear_journal()  # copies of a run killed before its journal was written
-        state.prune_backups(_keep(state.load_manifest()))
-        return None
     now = state.manifest_sha()
     restored, drift = [], []
     if j.manifest_after_sha != j.manifest_before_sha and now == j.manifest_after_sha:
@@ -177,6 +182,7 @@ def rollback(t: Target, state: State) -> dict | None:
             prune_dirs(t.path(d), t.package)
     state.clear_journal()
     state.prune_backups(_keep(state.load_manifest()))
+    state.tidy()
     return {"op": j.op, "action": action, "restored": restored, "drift": drift}
 
 

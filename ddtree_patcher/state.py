@@ -76,11 +76,30 @@ class State:
             f"{self.reinstall_hint}, then `ddtree-patch forget` (drops the unreadable state "
             "and removes only files that hold ddtree-patch's own bytes)")
 
+    def leftovers(self, manifest: Manifest | None) -> list[str]:
+        """What a run killed before its journal was complete left here: temp files,
+        journal copies, backups the manifest does not need."""
+        if not self.dir.is_dir():
+            return []
+        keep = {rel for rel, rec in (manifest.files.items() if manifest else ())
+                if rec.kind == "modify"}
+        out = [p for p in self.dir.rglob("*") if p.is_file() and (
+            p.name.endswith(TMP_SUFFIX) or self.journal_dir in p.parents
+            or (self.backups in p.parents and p.relative_to(self.backups).as_posix()
+                not in keep))]
+        return sorted(str(p.relative_to(self.dir)) for p in out)
+
     def clean_temp(self) -> None:
         """Temp files a killed write left in the state folder."""
         if self.dir.is_dir():
             for p in self.dir.rglob("*" + TMP_SUFFIX):
                 remove_file(p)
+
+    def tidy(self) -> None:
+        """Remove the folder once it holds no file (nothing applied, no journal)."""
+        if self.dir.is_dir() and not any(p.is_file() for p in self.dir.rglob("*")):
+            shutil.rmtree(self.dir, ignore_errors=True)
+            point(f"state folder removed {self.dir}")
 
     def forget(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
