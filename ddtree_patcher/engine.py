@@ -89,9 +89,10 @@ def _stale(t: Target, state: State, saved) -> PatchError:
 
 
 def _check_bound(t: Target, state: State, *saved) -> None:
-    now = t.install()
+    saved = [s for s in saved if s is not None]
+    now = t.install() if saved else None
     for s in saved:
-        if s is not None and s.install.differences(now):
+        if s.install.differences(now):
             raise _stale(t, state, s.install)
 
 

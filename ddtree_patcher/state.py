@@ -52,11 +52,15 @@ class State:
     # -------------------------------------------------------------- the folder
     def ensure_writable(self) -> None:
         """Create the folder, or say why it cannot be used (before anything is written)."""
-        try:
-            make_dirs(self.dir)
-        except OSError as exc:
-            raise _state_error(self.dir, exc)
-        why = writable_problem(self.dir)
+        d = self.dir
+        while not d.exists() and d.parent != d:
+            d = d.parent  # the deepest folder that exists must be a writable folder
+        why = (f"{d} is not a folder" if not d.is_dir() else writable_problem(d))
+        if why is None:
+            try:
+                make_dirs(self.dir)
+            except OSError as exc:
+                why = f"{self.dir}: {exc.strerror or exc}"
         if why:
             raise PatchError(f"the state folder cannot be used: {why}", TARGET,
                              STATE_HINT + "; nothing was written to vLLM")

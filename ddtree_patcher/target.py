@@ -16,7 +16,7 @@ from . import probe as probe_mod
 from .errors import LOCKED, TARGET, USAGE, PatchError
 from .manifest import Install
 from .versions import SUPPORTED, public_version
-from .verify.integrity import RecordError, record_problems
+from .verify.integrity import RecordError, record_files, record_problems
 
 
 @dataclass
@@ -60,10 +60,11 @@ class Target:
         record = self.dist_info / "RECORD"
         try:
             data = record.read_bytes()
-        except OSError as exc:
-            raise PatchError(f"vLLM's RECORD ({record}) cannot be read: {exc.strerror}; "
-                             "ddtree-patch needs it to check its writes", TARGET,
-                             self.reinstall_hint())
+            record_files(self.dist_info)  # it must parse, too
+        except (OSError, RecordError) as exc:
+            raise PatchError(f"vLLM's RECORD ({record}) cannot be read: "
+                             f"{getattr(exc, 'strerror', None) or exc}; ddtree-patch needs it "
+                             "to check its writes", TARGET, self.reinstall_hint())
         return Install(self.dist, self.version, str(self.site), str(self.dist_info),
                        hashlib.sha256(data).hexdigest())
 
