@@ -430,6 +430,7 @@ def build_tree(
 ) -> DDTree:
     """DDTree from drafter logits (or log-probs if logprobs=True) [N, L, V].
 
+    NaN and +-inf entries are excluded tokens (as -inf): they never enter the tree.
     budget: int or LongTensor [N] (clamped to 0..max_budget).  No host sync; with
     backend='triton' (default on CUDA) it is a few kernels and CUDA-graph capturable
     (call once before capture: the candidate tables are cached per device).
@@ -438,6 +439,10 @@ def build_tree(
     if v > (1 << TOK_BITS):
         raise ValueError("vocab larger than 2**20 is not supported")
     k = min(max_budget, v)
+    # NaN / +-inf from a drafter mean "no usable probability": -inf, so such a token
+    # never takes a top-K slot (topk ranks NaN highest) and never enters a tree
+    ninf = float("-inf")
+    draft = torch.nan_to_num(draft, nan=ninf, posinf=ninf, neginf=ninf)
     vals, idx = torch.topk(draft, k, dim=-1, sorted=False)
     lse = None if logprobs else row_logsumexp(draft)
     return build_tree_from_topk(vals, idx, budget, max_budget, lse, backend, with_mask)
