@@ -15,6 +15,7 @@ import click
 
 from . import __version__, engine, output
 from .errors import CODES, DRIFT, INTERNAL, OK, PENDING, USAGE, PatchError
+from .manifest import Action
 from .target import find_target
 from .versions import SUPPORTED
 
@@ -200,7 +201,8 @@ def list_cmd(as_json):
             per = {}
             for v in SUPPORTED:
                 fam = tr.family(v)
-                per[v] = "-" if fam is None else ("upstream" if fam.upstream else "patch")
+                per[v] = "-" if fam is None else (Action.UPSTREAM.value if fam.upstream
+                                                  else "patch")
             rows.append([tr.name] + list(per.values()))
             doc.append({"name": tr.name, "summary": tr.summary, "reference": tr.reference,
                         "versions": per})
@@ -283,7 +285,7 @@ def main(argv=None) -> None:
              PatchError(exc.format_message(), USAGE,
                         f"`{path} --help` lists the commands and options"))
     except (KeyboardInterrupt, click.exceptions.Abort):
-        err = PatchError("interrupted", INTERNAL, "`ddtree-patch status` tells whether a "
+        err = PatchError("interrupted by Ctrl-C", INTERNAL, "`ddtree-patch status` tells whether a "
                          "`recover` is needed")
         err.code = INTERRUPTED
         fail("ddtree-patch", as_json, err)

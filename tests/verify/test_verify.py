@@ -130,3 +130,29 @@ def test_wrong_compaction_is_caught():
 
     with pytest.raises(AssertionError, match="KV compaction .* differs"):
         kernels.run(_wrong(core, compact_kv=lazy), "cpu", seed=9, oracle=heap_reference)
+
+
+def test_oracle_is_loaded_next_to_the_installed_core(tmp_path, monkeypatch):
+    """vLLM gets the core without heap_reference.py; verify carries its own copy and
+    loads it as a module of the core under test (as the runner does in the target env)."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    src = Path(core.__file__).parent
+    shutil.copytree(src, tmp_path / "vendored_core",
+                    ignore=shutil.ignore_patterns("heap_reference.py", "__pycache__"))
+    verify_copy = tmp_path / "verify_copy"
+    shutil.copytree(Path(kernels.__file__).parent, verify_copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(src / "heap_reference.py", verify_copy / "heap_reference.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    installed = importlib.import_module("vendored_core")
+    vk = importlib.import_module("verify_copy.kernels")
+    with pytest.raises(ModuleNotFoundError):
+        installed.heap_build  # noqa: B018 - not shipped
+    ok, msg = vk.run(installed, "cpu", seed=11, oracle=vk.load_oracle(installed))
+    assert ok and "tree build == heapq reference" in msg
+    sys.modules.pop("vendored_core", None)
