@@ -2,7 +2,6 @@
 wrong (integrity through the real CLI on real trees; kernels with a core made wrong on
 purpose)."""
 
-import os
 import types
 
 import pytest
