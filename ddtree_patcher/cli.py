@@ -273,17 +273,17 @@ def main(argv=None) -> None:
     as_json = "--json" in args
     try:
         code = cli.main(args, prog_name="ddtree-patch", standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError as exc:
-        click.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
-        code = USAGE
-        if as_json:
-            fail("ddtree-patch", True, PatchError("no command given", USAGE,
-                                                  "`ddtree-patch --help` lists them"))
     except click.ClickException as exc:
-        path = exc.ctx.command_path if getattr(exc, "ctx", None) else "ddtree-patch"
-        fail(path.split(" ", 1)[-1] if " " in path else path, as_json,
-             PatchError(exc.format_message(), USAGE,
-                        f"`{path} --help` lists the commands and options"))
+        name = next((a for a in args if a in cli.commands), None)
+        path = f"ddtree-patch {name}" if name else "ddtree-patch"
+        hint = f"`{path} --help` lists the " + ("options" if name else "commands")
+        if isinstance(exc, click.exceptions.NoArgsIsHelpError):
+            if not as_json:
+                click.echo(exc.format_message(), err=True)
+                output.emit_next(hint)
+                sys.exit(USAGE)
+            exc.message = "no command given"
+        fail(name or "ddtree-patch", as_json, PatchError(exc.format_message(), USAGE, hint))
     except (KeyboardInterrupt, click.exceptions.Abort):
         err = PatchError("interrupted by Ctrl-C", INTERNAL, "`ddtree-patch status` tells whether a "
                          "`recover` is needed")

@@ -236,9 +236,8 @@ def forget(t: Target) -> dict:
         journal, manifest = saved
         now = t.install()
         stale = [s for s in (journal, manifest) if s and s.install.differences(now)]
-        if not state.dir.exists() or (not stale and not unreadable and
-                                      journal is None and manifest is None):
-            state.forget()
+        if not stale and not unreadable and journal is None and manifest is None:
+            state.tidy()
             return {"removed": [], "state_dir": str(state.dir), "forgot": False}
         if not stale and not unreadable:
             raise PatchError("the saved state belongs to this install: forgetting it would "

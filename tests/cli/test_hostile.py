@@ -390,3 +390,13 @@ def test_symlinked_target_file_is_refused(tree, cli, tmp_path):
     assert str(site / RUNNER) in json.dumps(r.json["error"]["details"])
     assert (site / RUNNER).is_symlink() and hashes(site) == before
     assert shared.read_bytes() == (site / RUNNER).read_bytes()
+
+
+def test_unexpected_errors_are_reported_not_traced(capsys):
+    from ddtree_patcher import cli as cli_mod
+
+    with pytest.raises(SystemExit) as end:
+        cli_mod.run("status", False, lambda: 1 / 0)
+    err = capsys.readouterr().err
+    assert end.value.code == 9 and "internal error: ZeroDivisionError" in err
+    assert "next: " in err and "Traceback" not in err
