@@ -28,7 +28,7 @@ def _plan_checks(t: Target, quick: bool) -> tuple[list[str], dict[str, str]]:
         for name in CHECKS[1:]:
             skipped[name] = "a bare --site-packages tree has no interpreter: use --python"
     elif quick:
-        skipped["engine"] = "--quick (`ddtree-patch verify` runs it)"
+        skipped["engine"] = "--quick; `ddtree-patch verify` runs it"
     return [c for c in CHECKS if c not in skipped], skipped
 
 
