@@ -335,8 +335,7 @@ def test_state_dir_on_a_full_disk(tree, cli, tmp_path):
 
 def test_auto_revert_keeps_what_was_applied_before(tree, cli, state_dir):
     site = tree("vllm", "0.20.2", slim=True)
-    out = cli("apply", *ONLY, *sp(site), check=0).out  # verify --quick passes
-    assert "NOT checked: imports, kernels, engine" in out  # item 7: says what it skipped
+    cli("apply", *ONLY, *sp(site), check=0)  # verify --quick passes
     envs = site / "vllm" / "envs.py"  # a vLLM file no transform touches: verify fails
     envs.write_text(envs.read_text() + "\n# breaks verify's RECORD check\n")
     r = cli("apply", "--json", "--only", "dflash-swa", *sp(site), check=8)
@@ -348,6 +347,19 @@ def test_auto_revert_keeps_what_was_applied_before(tree, cli, state_dir):
     backups = {str(p).split("/backups/")[1] for p in state_dir.rglob("*")
                if p.is_file() and "/backups/" in str(p)}
     assert backups == {ALGOS, RUNNER}  # dflash-swa's backups went with it
+
+
+# ------------------------------------------------- 7. skipped is not passed
+
+
+def test_apply_says_what_verify_did_not_check(tree, cli):
+    site = tree("vllm", "0.20.2", slim=True)
+    out = cli("apply", *ONLY, *sp(site), check=0).out
+    assert "verify: passed integrity; NOT checked: imports, kernels, engine" in out
+    assert "all checks passed" not in out
+    out = cli("revert", *sp(site), check=0).out
+    out = cli("apply", *ONLY, NV, *sp(site), check=0).out
+    assert "not verified (--no-verify)" in out
 
 
 # ------------------------------------------------- 8. no silent no-ops

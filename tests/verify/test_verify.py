@@ -51,8 +51,9 @@ def test_tampered_patched_file(patched, cli):
     assert f"{SPEC_PY}: differs from the patched content" in j["failed"][0]["message"]
     assert any("ddtree-patch revert" in c for c in j["recovery"])
     assert any("--force-reinstall --no-deps vllm==0.33.0" in c for c in j["recovery"])
-    text = cli("verify", "--site-packages", patched, check=1).out
-    assert "FAIL" in text and "to recover:" in text
+    r = cli("verify", "--site-packages", patched, check=1)
+    assert "FAIL" in r.out and "to recover:" in r.out
+    assert "next: `ddtree-patch revert --site-packages" in r.err and j["next"]
 
 
 def test_missing_added_module(patched, cli):
