@@ -34,11 +34,11 @@ MAPPING = {"ddtree_patcher": "ddtree_patcher", "ddtree_patcher.patches": "patche
 def test_one_version_registry(cli):
     assert SUPPORTED == tuple(v for fam in FAMILIES.values() for v in fam)
     assert set(PREIMAGES) == set(SUPPORTED)
-    for tr in TRANSFORMS:
+    for tr in TRANSFORMS:  # families are registry families (a version may have none)
         seen = [v for fam in tr.families for v in fam.versions]
-        assert len(seen) == len(set(seen)) and set(seen) == set(SUPPORTED), tr.name
+        assert len(seen) == len(set(seen)) and set(seen) <= set(SUPPORTED), tr.name
         assert all(fam.versions in FAMILIES.values() for fam in tr.families), tr.name
-        for v in SUPPORTED:  # every file a family edits has its pre-images
+        for v in seen:  # every file a family edits has its pre-images
             assert {e.path for e in tr.family(v).edits} <= set(PREIMAGES[v]), (tr.name, v)
     assert cli("list", "--json", check=0).json["supported_versions"] == list(SUPPORTED)
 
