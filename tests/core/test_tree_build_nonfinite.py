@@ -12,12 +12,14 @@ from ddtree_patcher.core.heap_reference import reference_tree
 
 NAN, INF = math.nan, math.inf
 BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
+# Triton runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests/core/conftest.py)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def nodes(tree, i=0):
     k = int(tree.num_nodes[i])
-    return list(zip(tree.tokens[i, :k].tolist(), tree.parents[i, :k].tolist(),
-                    tree.depths[i, :k].tolist()))
+    return list(zip(tree.tokens[i, :k].cpu().tolist(), tree.parents[i, :k].cpu().tolist(),
+                    tree.depths[i, :k].cpu().tolist()))
 
 
 def oracle(lp, budget):
@@ -27,7 +29,7 @@ def oracle(lp, budget):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_does_not_take_the_only_slot(backend):
-    lp = torch.tensor([[[NAN, -0.1, -2.5, -3.0]]])
+    lp = torch.tensor([[[NAN, -0.1, -2.5, -3.0]]], device=DEV)
     tree = build_tree(lp, 1, 1, logprobs=True, backend=backend)
     assert nodes(tree) == [(1, -1, 1)]  # was an empty tree: NaN took the top-1 slot
     tree = build_tree(lp, 3, 3, logprobs=True, backend=backend)
@@ -47,7 +49,7 @@ def test_nonfinite_entries_are_excluded(backend, logprobs):
     x[(bad >= 0.15) & (bad < 0.2)] = INF
     x[(bad >= 0.2) & (bad < 0.25)] = -INF
     x[0, 1] = NAN  # a whole depth without a usable token: the tree stops above it
-    tree = build_tree(x, bmax, bmax, logprobs=logprobs, backend=backend)
+    tree = build_tree(x.to(DEV), bmax, bmax, logprobs=logprobs, backend=backend)
     for i in range(n):
         lp = x[i]
         if not logprobs:
