@@ -1,23 +1,27 @@
-"""The ddtree-patch command line: apply, revert, status, list, verify, recover.
+"""The ddtree-patch command line: it parses and prints; ``engine`` decides.
 
-Exit codes: 0 ok; 1 changes pending (apply --dry-run) or a verify check failed;
-2 bad input; 3 target problem (no vLLM, editable, read-only); 4 drift / needs action;
-5 locked; 6 transform failed (nothing written); 7 write failed (rolled back);
-8 verify failed after apply (reverted).
+Every failure exits with a documented code (``errors.CODES``) and a ``next:`` line on
+stderr; with ``--json`` every outcome, usage errors included, is one JSON document.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import traceback
 
 import click
 
 from . import __version__, engine, output
-from .errors import DRIFT, OK, PENDING, VERIFY, PatchError
-from .state import State
-from .target import check_version, find_target, record_mismatches
+from .errors import CODES, DRIFT, INTERNAL, OK, PENDING, USAGE, PatchError
+from .manifest import Action
+from .target import find_target
 from .versions import SUPPORTED
+
+INTERRUPTED = 130  # Ctrl-C outside a write (a write in progress is rolled back first)
+EPILOG = "Exit codes:\n\n" + "\n\n".join(f"{c}: {m}" for c, m in CODES.items()) + \
+    f"\n\n{INTERRUPTED}: interrupted by Ctrl-C"
 
 
 def target_options(fn):
@@ -32,38 +36,53 @@ def target_options(fn):
     return wrapper
 
 
-def run(command: str, as_json: bool, body):
-    """Run a command body that returns (exit_code, payload, text); map errors."""
-    try:
-        code, payload, text = body()
-    except PatchError as err:
-        if as_json:
-            output.emit_json(command, err.code, {"error": err.to_dict()})
-        else:
-            output.emit_error(err)
-        sys.exit(err.code)
+def fail(command: str, as_json: bool, err: PatchError) -> None:
     if as_json:
-        output.emit_json(command, code, payload)
-    elif text:
-        click.echo(text)
+        output.emit_json(command, err.code, {"error": err.to_dict()})
+    else:
+        output.emit_error(err)
+    sys.exit(err.code)
+
+
+def run(command: str, as_json: bool, body):
+    """Run a command body that returns (exit_code, payload, text, next_hint)."""
+    try:
+        code, payload, text, hint = body()
+    except PatchError as err:
+        fail(command, as_json, err)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # a bug: say so, without a traceback unless asked
+        if os.environ.get("DDTREE_PATCH_DEBUG"):
+            traceback.print_exc()
+        fail(command, as_json, PatchError(
+            f"internal error: {type(exc).__name__}: {exc}", INTERNAL,
+            "this is a bug: rerun with DDTREE_PATCH_DEBUG=1 and report the traceback; "
+            "`ddtree-patch status` tells whether a `recover` is needed"))
+    if as_json:
+        output.emit_json(command, code, {**payload, **({"next": hint} if hint else {})})
+    else:
+        if text:
+            click.echo(text)
+        if hint:
+            output.emit_next(hint)
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
 @click.version_option(__version__, prog_name="ddtree-patch")
-def main():
+def cli():
     """Add DDTree tree speculative decoding to an installed vLLM, verify it, revert it."""
 
 
-def _recover_note(t, state) -> str:
-    done = engine.recover(t, state)
+def _recover_line(done: dict | None) -> str:
     if not done:
         return ""
     return (f"recovered an interrupted {done['op']}: {done['action']}"
-            + (f" ({len(done['restored'])} files restored)" if done["restored"] else "") + "\n")
+            + (f" ({len(done['restored'])} files restored)" if done["restored"] else ""))
 
 
-@main.command()
+@cli.command()
 @click.option("--vllm-version", metavar="X", help="Expected vLLM version (default: detected).")
 @click.option("--only", multiple=True, metavar="NAME", help="Apply only this transform.")
 @click.option("--skip", multiple=True, metavar="NAME", help="Leave this transform out.")
@@ -80,126 +99,97 @@ def apply(vllm_version, only, skip, dry_run, no_verify, full_verify, keep_on_fai
     """Apply the transforms for the installed vLLM version."""
 
     def body():
-        names = engine.resolve_names(only, skip)
+        names, pulled = engine.resolve_names(only, skip)
         output.progress("finding vLLM")
         t = find_target(python, site_packages)
-        check_version(t, vllm_version)
-        state = State(t.key)
         if dry_run:
-            p = engine.plan(t, state, _wanted(state, names))
-            diff = p.diff(color=output.color_ok())
-            code = PENDING if p.changes else OK
-            text = diff or "nothing to change"
-            return code, {"target": t.describe(), "changes": p.changes,
-                          "transforms": p.transforms, "diff": p.diff(),
-                          "files": [op.path for op in p.ops]}, text.rstrip("\n")
-        with state.lock():
-            note = _recover_note(t, state)
-            output.progress("computing the patch in memory")
-            p = engine.plan(t, state, _wanted(state, names))
-            output.progress(f"writing {len(p.ops)} files")
-            engine.execute(p, state, "apply")
-        lines = [note.rstrip()] if note else []
+            p = engine.dry_run(t, names, vllm_version)
+            return (PENDING if p.changes else OK,
+                    {"target": t.describe(), "changes": p.changes, "transforms": p.transforms,
+                     "diff": p.diff(), "files": [op.path for op in p.ops]},
+                    (p.diff(color=output.color_ok()) or "nothing to change").rstrip("\n"),
+                    "run it without --dry-run to write these changes" if p.changes else "")
+        output.progress("computing the patch in memory, then writing it")
+        mode = None if no_verify else ("full" if full_verify else "quick")
+        out = engine.apply(t, names, mode, keep_on_failure, vllm_version)
+        p = out.plan
+        for name, why in pulled.items():
+            p.transforms.setdefault(name, {})["needed_by"] = why
+        lines = [_recover_line(out.recovered)] if out.recovered else []
         for name, info in p.transforms.items():
-            lines.append(f"{name}: {info['status']}" + (f" ({info['note']})"
-                                                        if info.get("note") else ""))
-        lines.append(f"{len(p.ops)} files written" if p.ops else
+            extra = [x for x in (info.get("note"), info.get("needed_by")) if x]
+            lines.append(f"{name}: {info['status']}" + (f" ({'; '.join(extra)})"
+                                                        if extra else ""))
+        lines.append(f"{len(p.ops)} files written" if out.wrote and p.ops else
                      "already up to date: nothing written")
         payload = {"target": t.describe(), "transforms": p.transforms,
-                   "files": [op.path for op in p.ops], "applied": p.wanted}
-        if p.ops and not no_verify and p.manifest is not None:
-            from .verify_client import run_verify
-            report = run_verify(t, quick=not full_verify)
-            payload["verify"] = report
-            lines.append(report["summary"])
-            if not report["ok"]:
-                if keep_on_failure:
-                    raise PatchError("verify failed after apply; patched files kept "
-                                     "(--keep-on-failure)", VERIFY,
-                                     "inspect, then `ddtree-patch revert`",
-                                     details=report["failed"])
-                with state.lock():
-                    back = engine.plan(t, state, [])
-                    engine.execute(back, state, "revert")
-                raise PatchError("verify failed after apply; the patch was reverted", VERIFY,
-                                 "report `ddtree-patch apply --keep-on-failure --json` "
-                                 "output as a bug", details=report["failed"])
-        return OK, payload, "\n".join(lines)
+                   "files": [op.path for op in p.ops] if out.wrote else [],
+                   "applied": p.wanted, "recovered": out.recovered}
+        if out.verify:
+            payload["verify"] = out.verify
+            lines.append(out.verify["summary"])
+        elif out.wrote and p.ops and p.manifest is not None:
+            lines.append("not verified (--no-verify): run `ddtree-patch verify`")
+        return OK, payload, "\n".join(lines), ""
 
     run("apply", as_json, body)
 
 
-def _wanted(state: State, names: list[str]) -> list[str]:
-    manifest = state.load_manifest()
-    already = manifest["applied"] if manifest else []
-    return list(dict.fromkeys(already + names))
-
-
-@main.command()
-@click.option("--only", multiple=True, metavar="NAME", help="Revert only this transform.")
+@cli.command()
+@click.option("--only", multiple=True, metavar="NAME", help="Revert only this transform "
+              "(and the ones built on it).")
 @click.option("--force", is_flag=True, help="Also restore files edited since the patch.")
 @target_options
 def revert(only, force, python, site_packages, as_json):
     """Put back the pristine files, byte for byte, and check vLLM's RECORD."""
 
     def body():
-        if only:
-            engine.resolve_names(only, ())
+        engine.resolve_names(only, ())  # unknown names are an error
         t = find_target(python, site_packages)
-        state = State(t.key)
-        with state.lock():
-            note = _recover_note(t, state)
-            manifest = state.load_manifest()
-            applied = manifest["applied"] if manifest else []
-            drop = engine.with_dependents(only) if only else set(applied)
-            wanted = [n for n in applied if n not in drop]
-            p = engine.plan(t, state, wanted, force=force)
-            engine.execute(p, state, "revert")
-        bad = record_mismatches(t) if not wanted else []
-        payload = {"target": t.describe(), "files": [op.path for op in p.ops],
-                   "applied": wanted, "record_mismatches": bad}
-        text = note + (f"{len(p.ops)} files restored" if p.ops else "nothing to revert")
+        out = engine.revert(t, only, force)
+        p, bad = out.plan, out.record_mismatches
         if bad:
             raise PatchError(f"after revert {len(bad)} files still differ from vLLM's RECORD "
-                             "(not files ddtree-patch wrote)", DRIFT,
-                             engine._reinstall_hint(t), details=bad[:20])
-        if not wanted:
-            text += "\nRECORD check: every file matches"
-        return OK, payload, text
+                             "or are not listed in it (not files ddtree-patch wrote)", DRIFT,
+                             t.reinstall_hint(), details=bad[:20])
+        lines = [_recover_line(out.recovered)] if out.recovered else []
+        lines.append(f"{len(p.ops)} files restored" if p.ops else "nothing to revert")
+        if not p.wanted:
+            lines.append("RECORD check: every file matches, no unlisted files")
+        payload = {"target": t.describe(), "files": [op.path for op in p.ops],
+                   "applied": p.wanted, "record_mismatches": bad, "recovered": out.recovered}
+        return OK, payload, "\n".join(lines), ""
 
     run("revert", as_json, body)
 
 
-@main.command()
+@cli.command()
 @target_options
 def status(python, site_packages, as_json):
     """Per transform and file: clean, patched, upstream, partial, drifted, or
-    reinstalled-since-patch."""
+    reinstalled-since-patch (overall also interrupted or stale-state)."""
 
     def body():
         t = find_target(python, site_packages)
-        st = engine.status(t, State(t.key))
+        st = engine.status(t)
         rows = []
         for r in st["transforms"]:
             if not r["files"]:
                 rows.append([r["transform"], r["status"], "", ""])
             for f in r["files"]:
                 rows.append([r["transform"], r["status"], f["path"], f["status"]])
-        text = (f"{t.dist} {t.version} at {t.site}\nstatus: {st['status']}\n\n"
-                + output.table(rows, ["transform", "status", "file", "file status"]))
-        if st["interrupted"]:
-            text += "\n\nan interrupted run was found: the next apply/revert (or " \
-                    "`ddtree-patch recover`) rolls it back"
-        code = OK if st["status"] in ("clean", "patched", "upstream") else DRIFT
-        if code and not st["interrupted"]:
-            text += "\n\nnext: `ddtree-patch revert` (add --force for drifted files), or " \
-                    + engine._reinstall_hint(t)
-        return code, st, text
+        text = f"{t.dist} {t.version} at {t.site}\nstatus: {st['status']}"
+        if st.get("problem"):
+            text += f"\n{st['problem']}"
+        if rows:
+            text += "\n\n" + output.table(rows, ["transform", "status", "file", "file status"])
+        code = DRIFT if engine.needs_action(st) else OK
+        return code, st, text, st.pop("next", "")
 
     run("status", as_json, body)
 
 
-@main.command(name="list")
+@cli.command(name="list")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def list_cmd(as_json):
     """Transforms x supported versions, and what each does."""
@@ -208,45 +198,57 @@ def list_cmd(as_json):
         from .patches import TRANSFORMS
         rows, doc = [], []
         for tr in TRANSFORMS:
-            cells = []
             per = {}
             for v in SUPPORTED:
                 fam = tr.family(v)
-                cell = "-" if fam is None else ("upstream" if fam.upstream else "patch")
-                cells.append(cell)
-                per[v] = cell
-            rows.append([tr.name] + cells)
+                per[v] = "-" if fam is None else (Action.UPSTREAM.value if fam.upstream
+                                                  else "patch")
+            rows.append([tr.name] + list(per.values()))
             doc.append({"name": tr.name, "summary": tr.summary, "reference": tr.reference,
                         "versions": per})
         text = output.table(rows, ["transform"] + list(SUPPORTED)) + "\n\n" + "\n".join(
             f"{tr.name}: {tr.summary}" + (f" ({tr.reference})" if tr.reference else "")
             for tr in TRANSFORMS)
-        return OK, {"supported_versions": list(SUPPORTED), "transforms": doc}, text
+        return OK, {"supported_versions": list(SUPPORTED), "transforms": doc}, text, ""
 
     run("list", as_json, body)
 
 
-@main.command()
+@cli.command()
 @target_options
 def recover(python, site_packages, as_json):
     """Finish or roll back a run that was interrupted."""
 
     def body():
         t = find_target(python, site_packages)
-        state = State(t.key)
-        with state.lock():
-            done = engine.recover(t, state)
-        text = "nothing to recover" if not done else _recover_line(done)
-        return OK, {"target": t.describe(), "recovered": done}, text
+        done = engine.recover(t)
+        text = _recover_line(done) or "nothing to recover"
+        return OK, {"target": t.describe(), "recovered": done}, text, ""
 
     run("recover", as_json, body)
 
 
-def _recover_line(done: dict) -> str:
-    return f"interrupted {done['op']}: {done['action']} ({len(done['restored'])} files restored)"
+@cli.command()
+@target_options
+def forget(python, site_packages, as_json):
+    """Drop saved state that belongs to another install (vLLM upgraded or reinstalled
+    since the patch) or cannot be read; removes only the files ddtree-patch added."""
+
+    def body():
+        t = find_target(python, site_packages)
+        out = engine.forget(t)
+        if not out["forgot"]:
+            text = "no saved state for this install: nothing to forget"
+        else:
+            text = (f"forgot the saved state in {out['state_dir']} ("
+                    + "; ".join(out["why"]) + f"); removed {len(out['removed'])} files "
+                    "ddtree-patch had added")
+        return OK, {"target": t.describe(), **out}, text, ""
+
+    run("forget", as_json, body)
 
 
-@main.command()
+@cli.command()
 @click.option("--quick", is_flag=True, help="Skip the engine run (integrity, imports, "
               "kernels only).")
 @click.option("--seed", type=int, default=None, help="Seed of the random kernel inputs "
@@ -259,11 +261,35 @@ def verify(quick, seed, python, site_packages, as_json):
         from .verify_client import format_report, run_verify
         t = find_target(python, site_packages)
         report = run_verify(t, quick=quick, seed=seed)
-        code = OK if report["ok"] else PENDING
-        text = format_report(report, t)
-        return code, report, text
+        return (OK if report["ok"] else PENDING), report, format_report(report), \
+            report.pop("next", "")
 
     run("verify", as_json, body)
+
+
+def main(argv=None) -> None:
+    """Console entry point: click's usage errors become documented failures too."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in args
+    try:
+        code = cli.main(args, prog_name="ddtree-patch", standalone_mode=False)
+    except click.ClickException as exc:
+        name = next((a for a in args if a in cli.commands), None)
+        path = f"ddtree-patch {name}" if name else "ddtree-patch"
+        hint = f"`{path} --help` lists the " + ("options" if name else "commands")
+        if isinstance(exc, click.exceptions.NoArgsIsHelpError):
+            if not as_json:
+                click.echo(exc.format_message(), err=True)
+                output.emit_next(hint)
+                sys.exit(USAGE)
+            exc.message = "no command given"
+        fail(name or "ddtree-patch", as_json, PatchError(exc.format_message(), USAGE, hint))
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        err = PatchError("interrupted by Ctrl-C", INTERNAL, "`ddtree-patch status` tells whether a "
+                         "`recover` is needed")
+        err.code = INTERRUPTED
+        fail("ddtree-patch", as_json, err)
+    sys.exit(code or 0)
 
 
 if __name__ == "__main__":

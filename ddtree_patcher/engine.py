@@ -1,491 +1,62 @@
-"""Plan, apply and revert transforms as one transaction.
+"""The operations: apply, revert, recover, forget, status.
 
-Every command computes, in memory, the full content each touched file should have
-(pristine backup -> the wanted transforms, composed in registry order), checks every
-pre-image hash, and only then writes: backups first, then a journal, then atomic
-replaces, then the manifest.  A run that dies half-way is rolled back by the next
-invocation (``recover``), using the journal's copies of what each file was before.
+Each owns what makes it safe: the lock on the target tree, the check that saved state
+belongs to this exact install (dist, version, RECORD digest, path), the recovery of an
+interrupted run, the wanted set of transforms, and (apply) verify with a revert of what
+that apply wrote when verify fails.  The CLI only parses and prints.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
-import os
-import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from . import __version__
-from .errors import DRIFT, IO, TARGET, TRANSFORM, USAGE, PatchError
-from .fsops import (atomic_write, remove_bytecode, remove_file, sha256_bytes, sha256_file,
-                    writable_problem)
-from .state import MANIFEST_SCHEMA, State
-from .target import Target
-
-
-def _registry():
-    from .patches import BY_NAME, TRANSFORMS
-    return TRANSFORMS, BY_NAME
+from .errors import DRIFT, TARGET, USAGE, VERIFY, PatchError
+from .fsops import prune_dirs, remove_bytecode, remove_file, sha256_bytes
+from .journal import execute, leftovers, rollback
+from .manifest import Journal, Manifest, Status
+from .plan import Plan, file_state, plan, registry
+from .state import State
+from .target import Target, check_version, record_mismatches
 
 
-def _preimages() -> dict:
-    from .patches.preimages import PREIMAGES
-    return PREIMAGES
+# ------------------------------------------------------------------ names
 
 
-@dataclass
-class Op:
-    path: str
-    after: bytes | None  # None: remove the file
-    before: bytes | None  # what is there now (None: absent)
-
-
-@dataclass
-class Plan:
-    target: Target
-    wanted: list[str]  # transforms that will be applied afterwards
-    ops: list[Op]
-    manifest: dict | None  # manifest after the run (None: no patch left)
-    backups: dict[str, bytes]  # pristine copies still to save
-    transforms: dict[str, dict] = field(default_factory=dict)  # name -> status info
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def changes(self) -> bool:
-        return bool(self.ops)
-
-    def diff(self, color: bool = False) -> str:
-        out = []
-        for op in self.ops:
-            a = (op.before or b"").decode("utf-8", "replace").splitlines(True)
-            b = (op.after or b"").decode("utf-8", "replace").splitlines(True)
-            src = f"a/{op.path}" if op.before is not None else "/dev/null"
-            dst = f"b/{op.path}" if op.after is not None else "/dev/null"
-            for line in difflib.unified_diff(a, b, src, dst):
-                if not line.endswith("\n"):
-                    line += "\n\\ No newline at end of file\n"
-                if color:
-                    if line.startswith(("+++", "---")):
-                        line = f"\x1b[1m{line.rstrip(chr(10))}\x1b[0m\n"
-                    elif line.startswith("+"):
-                        line = f"\x1b[32m{line.rstrip(chr(10))}\x1b[0m\n"
-                    elif line.startswith("-"):
-                        line = f"\x1b[31m{line.rstrip(chr(10))}\x1b[0m\n"
-                    elif line.startswith("@@"):
-                        line = f"\x1b[36m{line.rstrip(chr(10))}\x1b[0m\n"
-                out.append(line)
-        return "".join(out)
-
-
-# ------------------------------------------------------------------ file states
-
-
-def file_state(t: Target, rel: str, rec: dict | None) -> str:
-    """clean / patched / drifted / missing / reinstalled-since-patch for one file."""
-    cur = sha256_file(t.path(rel))
-    if rec is None:
-        if cur is None:
-            return "missing"
-        return "clean" if cur in _preimages().get(t.base_version, {}).get(rel, ()) else "drifted"
-    if cur == rec["post_sha"]:
-        return "patched"
-    if rec["kind"] == "modify" and cur == rec["pre_sha"]:
-        return "reinstalled-since-patch"
-    if rec["kind"] == "add" and cur is None:
-        return "missing"
-    return "drifted"
-
-
-def _live_records(t: Target, manifest: dict | None) -> dict[str, dict]:
-    """Manifest rows that still describe the files (a reinstall makes rows stale)."""
-    if not manifest:
-        return {}
-    live = {}
-    for rel, rec in manifest["files"].items():
-        st = file_state(t, rel, rec)
-        if st in ("reinstalled-since-patch", "missing"):
-            continue
-        live[rel] = rec
-    return live
-
-
-# ------------------------------------------------------------------ planning
-
-
-def plan(t: Target, state: State, wanted: list[str], force: bool = False) -> Plan:
-    """What the files must become so that exactly ``wanted`` is applied."""
-    transforms, _ = _registry()
-    version = t.base_version
-    manifest = state.load_manifest()
-    live = _live_records(t, manifest)
-    pre = _preimages().get(version, {})
-    drift = []
-    pristine: dict[str, bytes] = {}
-    backups: dict[str, bytes] = {}
-
-    def source(rel: str) -> bytes:
-        if rel in pristine:
-            return pristine[rel]
-        p = t.path(rel)
-        if rel in live:
-            rec = live[rel]
-            data = state.read_backup(rel, rec["pre_sha"])
-            cur = sha256_file(p)
-            if cur != rec["post_sha"] and not force:
-                drift.append({"path": rel, "problem": "edited since ddtree-patch wrote it",
-                              "sha256": cur})
-        else:
-            try:
-                data = p.read_bytes()
-            except FileNotFoundError:
-                raise PatchError(f"{rel} is missing from {t.site}", DRIFT,
-                                 _reinstall_hint(t))
-            if sha256_bytes(data) not in pre.get(rel, ()):
-                drift.append({"path": rel, "problem": f"does not match any known {t.dist} "
-                              f"{version} file", "sha256": sha256_bytes(data)})
-            backups[rel] = data
-        pristine[rel] = data
-        return data
-
-    def drift_error() -> PatchError:
-        return PatchError("files differ from what ddtree-patch expects; nothing was written",
-                          DRIFT, "restore them with `ddtree-patch revert --force` (puts the "
-                          "pristine files back) or " + _reinstall_hint(t), details=drift)
-
-    # Read and check every file first: drift is reported per file, before any codemod.
-    for tr in transforms:
-        fam = tr.family(version)
-        if tr.name in wanted and fam is not None:
-            for e in fam.edits:
-                source(e.path)
-    if drift:
-        raise drift_error()
-
-    texts: dict[str, str] = {}
-    owners: dict[str, list[str]] = {}
-    added: dict[str, bytes] = {}
-    info: dict[str, dict] = {}
-    applied: list[str] = []
-    for tr in transforms:
-        fam = tr.family(version)
-        if tr.name not in wanted:
-            continue
-        if fam is None:
-            info[tr.name] = {"status": "n/a"}
-            continue
-        if fam.upstream:
-            missing = [e.path for e in fam.edits
-                       if not e.is_applied(source(e.path).decode("utf-8"))]
-            if missing:
-                raise PatchError(f"{tr.name}: {t.dist} {version} should already contain this "
-                                 f"change ({fam.note}) but it was not found in "
-                                 + ", ".join(missing), DRIFT, _reinstall_hint(t))
-            info[tr.name] = {"status": "upstream", "note": fam.note}
-            continue
-        for e in fam.edits:
-            text = texts.get(e.path)
-            if text is None:
-                text = source(e.path).decode("utf-8")
-            try:
-                new = e.apply(text)
-            except Exception as exc:  # AnchorError, libcst parse errors: fail closed
-                raise PatchError(f"{tr.name}: cannot edit {e.path}: {exc}", TRANSFORM,
-                                 "nothing was written; this vLLM file is not the one the "
-                                 "transform was written for: report it with `ddtree-patch "
-                                 "status --json`")
-            if not e.is_applied(new):
-                raise PatchError(f"{tr.name}: the edit of {e.path} did not take effect",
-                                 TRANSFORM, "nothing was written; report this as a bug")
-            texts[e.path] = new
-            owners.setdefault(e.path, []).append(tr.name)
-        for a in fam.added:
-            added[a.path] = a.content()
-            owners.setdefault(a.path, []).append(tr.name)
-        applied.append(tr.name)
-        info[tr.name] = {"status": "apply"}
-
-    # Files touched before but no longer wanted go back to pristine / away.
-    for rel, rec in live.items():
-        if rec["kind"] == "modify" and rel not in texts:
-            texts[rel] = source(rel).decode("utf-8")
-        elif rec["kind"] == "add":
-            cur = sha256_file(t.path(rel))
-            if cur != rec["post_sha"] and not force:
-                drift.append({"path": rel, "problem": "added file edited since", "sha256": cur})
-    for rel in added:
-        if rel not in live and t.path(rel).exists():
-            drift.append({"path": rel, "problem": "a file ddtree-patch would add already exists"})
-
-    if drift:
-        raise drift_error()
-
-    ops: list[Op] = []
-    files: dict[str, dict] = {}
-    for rel, text in sorted(texts.items()):
-        after = text.encode("utf-8")
-        before = _read(t.path(rel))
-        if before != after:
-            ops.append(Op(rel, after, before))
-        if rel in owners:
-            files[rel] = {"kind": "modify", "pre_sha": sha256_bytes(pristine[rel]),
-                          "post_sha": sha256_bytes(after), "transforms": owners[rel]}
-    for rel, data in sorted(added.items()):
-        before = _read(t.path(rel))
-        if before != data:
-            ops.append(Op(rel, data, before))
-        files[rel] = {"kind": "add", "pre_sha": None, "post_sha": sha256_bytes(data),
-                      "transforms": owners[rel]}
-    for rel, rec in sorted(live.items()):
-        if rec["kind"] == "add" and rel not in added:
-            ops.append(Op(rel, None, _read(t.path(rel))))
-    # Stray added files of a stale manifest (vLLM reinstalled since): remove on revert.
-    if manifest:
-        for rel, rec in manifest["files"].items():
-            if rec["kind"] == "add" and rel not in live and rel not in added \
-                    and t.path(rel).exists():
-                ops.append(Op(rel, None, _read(t.path(rel))))
-
-    new_manifest = None
-    if files:
-        new_manifest = {
-            "schema": MANIFEST_SCHEMA, "tool_version": __version__, "dist": t.dist,
-            "version": t.version, "site_packages": str(t.site), "dist_info": str(t.dist_info),
-            "applied": applied, "files": files,
-        }
-    keep_backups = {rel: data for rel, data in backups.items()
-                    if rel in files and files[rel]["kind"] == "modify"}
-    return Plan(t, applied, ops, new_manifest, keep_backups, info)
-
-
-def _read(p: Path) -> bytes | None:
-    try:
-        return p.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def _reinstall_hint(t: Target) -> str:
-    return (f"reinstall vLLM: {t.python or 'python'} -m pip install --force-reinstall --no-deps "
-            f"{t.dist}=={t.version}")
-
-
-# ------------------------------------------------------------------ execution
-
-
-def _fault(when: str, step: int) -> None:
-    """Test hook: DDTREE_PATCH_FAULT=crash-after:N kills the process (no cleanup) once N
-    files are written; fail-at:N raises an OSError before write N (0-based)."""
-    kind, _, n = os.environ.get("DDTREE_PATCH_FAULT", "").partition(":")
-    if kind == "crash-after" and when == "after" and step == int(n):
-        os._exit(70)
-    if kind == "fail-at" and when == "before" and step == int(n):
-        raise OSError(f"injected write failure at step {step}")
-
-
-def check_writable(t: Target, paths: list[str]) -> None:
-    problems = []
-    for rel in paths:
-        p = t.path(rel)
-        d = p.parent
-        while not d.exists():
-            d = d.parent
-        for q in ([p] if p.exists() else []) + [d]:
-            why = writable_problem(q)
-            if why:
-                problems.append(why)
-    if problems:
-        raise PatchError("the vLLM install is read-only here; nothing was written",
-                         TARGET, "run as the user that owns the environment, or "
-                         "make a writable copy (a virtualenv) and patch that",
-                         details=sorted(set(problems)))
-
-
-def _manifest_bytes(manifest: dict | None) -> bytes | None:
-    if manifest is None:
-        return None
-    return json.dumps(manifest, indent=1, sort_keys=True).encode()
-
-
-def execute(p: Plan, state: State, op_name: str) -> None:
-    """Write a plan: backups, journal, atomic replaces, manifest; roll back on error."""
-    if not p.ops and p.manifest == state.load_manifest():
-        return
-    check_writable(p.target, [op.path for op in p.ops])
-    for rel, data in p.backups.items():
-        state.save_backup(rel, data)
-    if p.manifest is not None:
-        p.manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    after = _manifest_bytes(p.manifest)
-    jdir = state.journal_dir
-    jdir.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for i, op in enumerate(p.ops):
-        if op.before is not None:
-            atomic_write(jdir / f"before-{i}", op.before, mode=0o644)
-        entries.append({"path": op.path, "before": f"before-{i}" if op.before is not None
-                        else None, "before_sha": sha256_bytes(op.before) if op.before is not
-                        None else None, "after_sha": sha256_bytes(op.after) if op.after
-                        is not None else None})
-    atomic_write(state.journal_path, json.dumps({
-        "op": op_name, "pid": os.getpid(), "started": time.time(), "entries": entries,
-        "manifest_after_sha": sha256_bytes(after) if after is not None else None,
-    }).encode(), mode=0o644)
-    try:
-        for i, op in enumerate(p.ops):
-            _fault("before", i)
-            path = p.target.path(op.path)
-            if op.after is None:
-                remove_file(path)
-                _prune_dirs(path.parent, p.target.site / "vllm")
-            else:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(path, op.after)
-            if path.suffix == ".py":
-                remove_bytecode(path)
-            _fault("after", i + 1)
-        if p.manifest is None:
-            state.save_manifest(None)
-            state.drop_backups()
-        else:
-            state.save_manifest(p.manifest)
-    except Exception as exc:
-        rolled = recover(p.target, state)
-        raise PatchError(f"{op_name} failed while writing ({exc}); rolled back "
-                         f"({len(rolled['restored']) if rolled else 0} files restored)",
-                         IO, "fix the cause (disk full? permissions?) and run the command "
-                         "again")
-    state.clear_journal()
-
-
-def _prune_dirs(d: Path, stop: Path) -> None:
-    """Remove folders emptied by a revert (bytecode caches included), up to ``stop``."""
-    d, stop = d.resolve(), stop.resolve()
-    while d != stop and stop in d.parents:
-        cache = d / "__pycache__"
-        if cache.is_dir() and not any(x for x in cache.iterdir()):
-            cache.rmdir()
-        try:
-            d.rmdir()
-        except OSError:
-            return
-        d = d.parent
-
-
-def recover(t: Target, state: State) -> dict | None:
-    """Finish or undo a run that was interrupted. Returns what was done, or None."""
-    j = state.load_journal()
-    if j is None:
-        state.clear_journal()
-        return None
-    cur = _manifest_bytes(state.load_manifest())
-    cur_sha = sha256_bytes(cur) if cur is not None else None
-    if cur_sha == j["manifest_after_sha"] and all(
-            sha256_file(t.path(e["path"])) == e["after_sha"] for e in j["entries"]):
-        state.clear_journal()
-        return {"op": j["op"], "action": "completed", "restored": []}
-    restored = []
-    for e in j["entries"]:
-        path = t.path(e["path"])
-        if sha256_file(path) == e["before_sha"]:
-            continue
-        if e["before"] is None:
-            remove_file(path)
-            _prune_dirs(path.parent, t.site / "vllm")
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, (state.journal_dir / e["before"]).read_bytes())
-        if path.suffix == ".py":
-            remove_bytecode(path)
-        restored.append(e["path"])
-    state.clear_journal()
-    return {"op": j["op"], "action": "rolled back", "restored": restored}
-
-
-# ------------------------------------------------------------------ status
-
-
-def status(t: Target, state: State) -> dict:
-    """Per transform and file: clean / patched / upstream / partial / drifted /
-    reinstalled-since-patch (and n/a for transforms without a family for the version)."""
-    transforms, _ = _registry()
-    manifest = state.load_manifest()
-    recs = manifest["files"] if manifest else {}
-    applied = manifest["applied"] if manifest else []
-    rows = []
-    for tr in transforms:
-        fam = tr.family(t.base_version)
-        if fam is None:
-            rows.append({"transform": tr.name, "status": "n/a", "files": []})
-            continue
-        files = []
-        added = {a.path for a in fam.added}
-        for rel in [e.path for e in fam.edits] + sorted(added):
-            rec = recs.get(rel)
-            st = file_state(t, rel, rec)
-            if rel in added and rec is None and st == "missing":
-                st = "clean"  # not added yet: what a clean install looks like
-            elif fam.upstream and st in ("clean", "patched"):
-                st = "upstream"  # the change ships with vLLM (patched: by others)
-            elif tr.name not in applied and st == "patched":
-                st = "clean"  # written for another transform; this one is not in it
-            files.append({"path": rel, "status": st})
-        rows.append({"transform": tr.name, "files": files,
-                     "status": _combine({f["status"] for f in files}, tr.name in applied)})
-    seen = {r["status"] for r in rows}
-    journal = state.load_journal()
-    for overall in ("drifted", "reinstalled-since-patch", "partial", "patched"):
-        if overall in seen:
-            break
-    else:
-        overall = "clean"
-    if journal is not None:
-        overall = "interrupted"
-    return {"target": t.describe(), "status": overall, "applied": applied,
-            "transforms": rows, "interrupted": journal is not None,
-            "state_dir": str(state.dir)}
-
-
-def _combine(states: set[str], applied: bool) -> str:
-    if "drifted" in states:
-        return "drifted"
-    if len(states) == 1:
-        only = next(iter(states))
-        if only == "missing":
-            return "partial" if applied else "drifted"
-        return only
-    if applied and states <= {"reinstalled-since-patch", "missing"}:
-        return "reinstalled-since-patch"
-    return "partial"
-
-
-def resolve_names(only: tuple[str, ...], skip: tuple[str, ...]) -> list[str]:
-    transforms, by_name = _registry()
+def resolve_names(only=(), skip=()) -> tuple[list[str], dict[str, str]]:
+    """The transforms asked for (registry order) and notes on what was pulled in."""
+    transforms, by_name = registry()
     for n in list(only) + list(skip):
         if n not in by_name:
             raise PatchError(f"unknown transform {n!r}", USAGE,
                              "known transforms: " + ", ".join(by_name) +
                              " (see `ddtree-patch list`)")
-    names = list(only) if only else [tr.name for tr in transforms]
-    names = [n for n in names if n not in skip]
-    # pull in what the chosen transforms need
-    out: list[str] = []
+    both = sorted(set(only) & set(skip))
+    if both:
+        raise PatchError(f"--only and --skip both name {', '.join(both)}", USAGE,
+                         "name each transform in one of them")
+    names = set(only) if only else {tr.name for tr in transforms} - set(skip)
+    notes: dict[str, str] = {}
 
-    def add(n):
+    def add(n: str, by: str | None) -> None:
+        if by is not None and n in skip:
+            raise PatchError(f"{by} needs {n}, which --skip leaves out", USAGE,
+                             f"add --skip {by} as well, or drop --skip {n}")
         for r in by_name[n].requires:
-            add(r)
-        if n not in out:
-            out.append(n)
+            add(r, n)
+        if n not in names:
+            notes[n] = f"needed by {by}"
+        names.add(n)
 
-    for n in names:
-        add(n)
-    return out
+    for n in sorted(names):
+        add(n, None)
+    return [tr.name for tr in transforms if tr.name in names], notes
 
 
 def with_dependents(names) -> set[str]:
     """``names`` plus every transform that requires one of them (reverting a transform
     takes out what is built on it)."""
-    transforms, _ = _registry()
+    transforms, _ = registry()
     out = set(names)
     changed = True
     while changed:
@@ -495,3 +66,292 @@ def with_dependents(names) -> set[str]:
                 out.add(tr.name)
                 changed = True
     return out
+
+
+def _ordered(names) -> list[str]:
+    transforms, _ = registry()
+    return [tr.name for tr in transforms if tr.name in set(names)]
+
+
+# ------------------------------------------------------------------ binding
+
+
+def _stale(t: Target, state: State, saved) -> PatchError:
+    now = t.install()
+    return PatchError(
+        f"the saved state in {state.dir} belongs to {saved.dist} {saved.version}, not to "
+        f"this install ({now.dist} {now.version}): vLLM was upgraded or reinstalled since "
+        "ddtree-patch last wrote it; nothing was written (its backups would put "
+        f"{saved.version} files into this install)", DRIFT,
+        "`ddtree-patch forget` drops that state and removes only the files ddtree-patch "
+        "added (they hold its own bytes and no RECORD lists them); if vLLM's RECORD was "
+        "damaged instead, " + t.reinstall_hint(), details=saved.differences(now))
+
+
+def _check_bound(t: Target, state: State, *saved) -> None:
+    saved = [s for s in saved if s is not None]
+    now = t.install() if saved else None
+    for s in saved:
+        if s.install.differences(now):
+            raise _stale(t, state, s.install)
+
+
+def _state(t: Target) -> State:
+    return State(t.key, t.reinstall_hint())
+
+
+@contextmanager
+def _session(t: Target):
+    """Lock the target, then finish or undo an interrupted run first."""
+    state = _state(t)
+    with t.lock():
+        done = _recover(t, state)
+        if done and done["drift"]:
+            raise _recover_drift(done)
+        yield state, done
+
+
+def _recover_drift(done: dict) -> PatchError:
+    return PatchError(f"an interrupted {done['op']} was rolled back "
+                      f"({len(done['restored'])} files restored), but these files changed "
+                      "after it and were left as they are", DRIFT,
+                      "look at them (`ddtree-patch status`); `ddtree-patch revert --force` "
+                      "puts pristine files back where ddtree-patch wrote them, or reinstall "
+                      "vLLM", details=done["drift"])
+
+
+def _recover(t: Target, state: State) -> dict | None:
+    if state.has_journal():
+        _check_bound(t, state, state.load_journal())
+    elif not state.dir.is_dir():
+        return None
+    return rollback(t, state)
+
+
+def _pristine_check(t: Target, p: Plan) -> list[dict]:
+    """vLLM's RECORD check after a full revert (files were written already)."""
+    try:
+        return record_mismatches(t)
+    except PatchError as exc:
+        raise PatchError(f"{len(p.ops)} files restored, but {exc.message}", exc.code,
+                         exc.hint)
+
+
+# ------------------------------------------------------------------ operations
+
+
+@dataclass
+class Outcome:
+    plan: Plan
+    recovered: dict | None = None
+    wrote: bool = False
+    notes: dict[str, str] = field(default_factory=dict)
+    verify: dict | None = None
+    record_mismatches: list[dict] = field(default_factory=list)
+
+
+def dry_run(t: Target, names: list[str], vllm_version: str | None = None) -> Plan:
+    """The plan apply would write (read-only: no lock, nothing written)."""
+    check_version(t, vllm_version)
+    state = _state(t)
+    journal = state.load_journal()
+    manifest = state.load_manifest()
+    _check_bound(t, state, journal, manifest)
+    if journal is not None:
+        raise PatchError("an interrupted run is pending: the diff would not be what apply "
+                         "writes", DRIFT, "`ddtree-patch recover` first")
+    already = manifest.applied if manifest else []
+    return plan(t, state, manifest, _ordered(already + names))
+
+
+def apply(t: Target, names: list[str], verify: str | None = "quick",
+          keep_on_failure: bool = False, vllm_version: str | None = None) -> Outcome:
+    """Apply ``names`` on top of what is applied; verify (``"quick"``/``"full"``/None);
+    when verify fails, go back to what was applied before (or keep, for debugging)."""
+    check_version(t, vllm_version)
+    with _session(t) as (state, recovered):
+        manifest = state.load_manifest()
+        _check_bound(t, state, manifest)
+        before = manifest.applied if manifest else []
+        p = plan(t, state, manifest, _ordered(before + names))
+        out = Outcome(p, recovered, execute(p, state, manifest, "apply"))
+        if not (out.wrote and p.ops and verify and p.manifest):
+            return out
+        from .verify_client import run_verify
+
+        out.verify = run_verify(t, quick=verify == "quick")
+        if out.verify["ok"]:
+            return out
+        if keep_on_failure:
+            raise PatchError("verify failed after apply; patched files kept "
+                             "(--keep-on-failure)", VERIFY, "inspect, then `ddtree-patch "
+                             "revert`", details=out.verify["failed"])
+        back = plan(t, state, p.manifest, before)
+        execute(back, state, p.manifest, "revert")
+        kept = f" (what was applied before stays: {', '.join(before)})" if before else ""
+        raise PatchError("verify failed after apply; the patch was reverted" + kept, VERIFY,
+                         "report `ddtree-patch apply --keep-on-failure --json` output as a "
+                         "bug", details=out.verify["failed"])
+
+
+def revert(t: Target, names=(), force: bool = False) -> Outcome:
+    """Take ``names`` (and what depends on them) out, or everything; byte-exact, and a
+    full revert ends with vLLM's RECORD check."""
+    with _session(t) as (state, recovered):
+        manifest = state.load_manifest()
+        _check_bound(t, state, manifest)
+        applied = manifest.applied if manifest else []
+        drop = with_dependents(names) if names else set(applied)
+        p = plan(t, state, manifest, [n for n in applied if n not in drop], force=force)
+        out = Outcome(p, recovered, execute(p, state, manifest, "revert"))
+        if not p.wanted:
+            out.record_mismatches = _pristine_check(t, p)
+        return out
+
+
+def recover(t: Target) -> dict | None:
+    """Finish or undo an interrupted run (None: there was none).  Files changed after
+    the run are left alone and reported (exit 4)."""
+    state = _state(t)
+    with t.lock():
+        done = _recover(t, state)
+    if done and done["drift"]:
+        raise _recover_drift(done)
+    return done
+
+
+def forget(t: Target) -> dict:
+    """Drop saved state that no longer belongs to this install (or cannot be read) and
+    remove what ddtree-patch added: only files holding its own bytes that the install's
+    RECORD does not list, its temp files, and the folders it made.  Nothing else."""
+    state = _state(t)
+    with t.lock():
+        saved, unreadable = [], []
+        for load in (state.load_journal, state.load_manifest):
+            try:
+                saved.append(load())
+            except PatchError as exc:
+                unreadable.append(exc.message)
+                saved.append(None)
+        journal, manifest = saved
+        now = t.install()
+        stale = [s for s in (journal, manifest) if s and s.install.differences(now)]
+        if not stale and not unreadable and journal is None and manifest is None:
+            state.tidy()
+            return {"removed": [], "state_dir": str(state.dir), "forgot": False}
+        if not stale and not unreadable:
+            raise PatchError("the saved state belongs to this install: forgetting it would "
+                             "lose the backups revert needs", USAGE,
+                             "`ddtree-patch revert` (or `ddtree-patch recover` for an "
+                             "interrupted run)")
+        removed = _remove_leftovers(t, journal, manifest)
+        state.forget()
+        return {"removed": removed, "state_dir": str(state.dir), "forgot": True,
+                "why": [d for s in stale for d in s.install.differences(now)] + unreadable}
+
+
+def _remove_leftovers(t: Target, journal: Journal | None, manifest: Manifest | None) -> list:
+    from .verify.integrity import RecordError, record_files
+
+    try:
+        listed = {str(f.locate()) for f in record_files(t.dist_info)}
+    except RecordError as exc:
+        raise PatchError(f"vLLM's RECORD cannot be read ({exc}): cannot tell its files "
+                         "from ddtree-patch's", TARGET, t.reinstall_hint())
+    ours = set(leftovers(t, journal, manifest))
+    transforms, _ = registry()
+    for tr in transforms:  # added files as this ddtree-patch ships them (any version)
+        for fam in tr.families:
+            for a in fam.added:
+                p = t.path(a.path)
+                if p.is_file() and sha256_bytes(p.read_bytes()) == sha256_bytes(a.content()):
+                    ours.add(p)
+    removed = []
+    for p in sorted(ours):
+        if str(p) in listed:
+            continue
+        remove_file(p)
+        if p.suffix == ".py":
+            remove_bytecode(p)
+        prune_dirs(p.parent, t.package)
+        removed.append(str(p.relative_to(t.site)))
+    for d in journal.new_dirs if journal else ():
+        prune_dirs(t.path(d), t.package)
+    return removed
+
+
+# ------------------------------------------------------------------ status
+
+
+def status(t: Target) -> dict:
+    """Per transform and file: clean / patched / upstream / partial / drifted /
+    reinstalled-since-patch / n/a; overall also interrupted or stale-state."""
+    state = _state(t)
+    doc = {"target": t.describe(), "state_dir": str(state.dir), "interrupted":
+           state.has_journal()}
+    try:
+        saved = [state.load_journal() if doc["interrupted"] else None, state.load_manifest()]
+        _check_bound(t, state, *saved)
+        doc["interrupted"] = doc["interrupted"] or bool(state.leftovers(saved[1]))
+    except PatchError as exc:
+        if exc.code != DRIFT:
+            raise
+        return {**doc, "status": Status.STALE if "belongs to" in exc.message else
+                Status.DRIFTED, "applied": [], "transforms": [], "problem": exc.message,
+                "details": exc.details, "next": exc.hint}
+    check_version(t)
+    manifest = saved[1]
+    recs = manifest.files if manifest else {}
+    applied = manifest.applied if manifest else []
+    rows = []
+    transforms, _ = registry()
+    for tr in transforms:
+        fam = tr.family(t.base_version)
+        if fam is None:
+            rows.append({"transform": tr.name, "status": Status.NA, "files": []})
+            continue
+        files = []
+        added = {a.path for a in fam.added}
+        for rel in [e.path for e in fam.edits] + sorted(added):
+            rec = recs.get(rel)
+            st = file_state(t, rel, rec)
+            if rel in added and rec is None and st == Status.MISSING:
+                st = Status.CLEAN  # not added yet: what a clean install looks like
+            elif fam.upstream and st in (Status.CLEAN, Status.PATCHED):
+                st = Status.UPSTREAM  # the change ships with vLLM (patched: by others)
+            elif tr.name not in applied and st == Status.PATCHED:
+                st = Status.CLEAN  # written for another transform; this one is not in it
+            files.append({"path": rel, "status": st})
+        rows.append({"transform": tr.name, "files": files,
+                     "status": _combine({f["status"] for f in files}, tr.name in applied)})
+    seen = {r["status"] for r in rows}
+    overall = next((s for s in (Status.DRIFTED, Status.REINSTALLED, Status.PARTIAL,
+                                Status.PATCHED) if s in seen), Status.CLEAN)
+    if doc["interrupted"]:
+        overall = Status.INTERRUPTED
+    doc.update(status=overall, applied=applied, transforms=rows)
+    if overall in (Status.DRIFTED, Status.REINSTALLED, Status.PARTIAL):
+        doc["next"] = ("`ddtree-patch revert` (add --force for drifted files), or "
+                       + t.reinstall_hint())
+    elif overall == Status.INTERRUPTED:
+        doc["next"] = "`ddtree-patch recover` finishes or rolls back the interrupted run"
+    return doc
+
+
+def _combine(states: set[Status], applied: bool) -> Status:
+    if Status.DRIFTED in states:
+        return Status.DRIFTED
+    if len(states) == 1:
+        only = next(iter(states))
+        if only == Status.MISSING:
+            return Status.PARTIAL if applied else Status.DRIFTED
+        return only
+    if applied and states <= {Status.REINSTALLED, Status.MISSING}:
+        return Status.REINSTALLED
+    return Status.PARTIAL
+
+
+def needs_action(st: dict) -> bool:
+    return st["status"] not in (Status.CLEAN, Status.PATCHED, Status.UPSTREAM)
+
+

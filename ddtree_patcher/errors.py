@@ -1,22 +1,42 @@
 """Errors that end a command: each carries its exit code and the next step to take."""
 
-# Exit codes (documented in the README).
+# Exit codes.  CODES is the documented table (README, docs/DESIGN.md, `--help`).
 OK = 0
 PENDING = 1  # apply --dry-run: changes pending; verify: a check failed
-USAGE = 2  # bad input: unknown or mismatched version, unknown transform, bad flag
-TARGET = 3  # no vLLM, ambiguous, editable install, read-only tree
-DRIFT = 4  # a file is not what we expect (hand edit, other version): nothing written
-LOCKED = 5  # another ddtree-patch run holds the lock
+USAGE = 2  # bad input: version, transform, flags, --python / --site-packages
+TARGET = 3  # no vLLM, ambiguous, editable, read-only, symlinked file, RECORD, state folder
+DRIFT = 4  # a file or the saved state is not what we expect: nothing written
+LOCKED = 5  # another ddtree-patch run holds the lock on the target
 TRANSFORM = 6  # a transform failed (anchor not found exactly once): nothing written
 IO = 7  # a write failed; the run was rolled back
-VERIFY = 8  # verify failed after apply; the patch was reverted
+VERIFY = 8  # verify failed after apply; what that apply wrote was reverted
+INTERNAL = 9  # a bug: unexpected error (DDTREE_PATCH_DEBUG=1 shows the traceback)
+
+CODES = {
+    OK: "ok",
+    PENDING: "`apply --dry-run`: changes pending; `verify`: a check failed",
+    USAGE: "bad input: unknown, unsupported or mismatched version, unknown transform, "
+           "contradictory flags, an unusable `--python` / `--site-packages`, a usage error",
+    TARGET: "target problem: no vLLM, two of them, editable install, read-only tree, "
+            "symlinked file, missing/unreadable RECORD, unusable state folder",
+    DRIFT: "drift: a file differs from what was expected, or the saved state belongs to "
+           "another install (nothing written); `status`: needs action; `revert`: RECORD "
+           "check failed",
+    LOCKED: "another ddtree-patch run holds the lock on this vLLM",
+    TRANSFORM: "a transform's anchor was not found exactly once (nothing written)",
+    IO: "a write failed; everything was rolled back",
+    VERIFY: "verify failed after apply; what that apply wrote was reverted",
+    INTERNAL: "internal error (a bug; nothing is written after it, `recover` undoes a "
+              "half-done run)",
+}
 
 
 class PatchError(Exception):
-    """A failure the user can act on."""
+    """A failure the user can act on: message, exit code, the next step (``hint``)."""
 
     def __init__(self, message: str, code: int, hint: str = "", details=None):
         super().__init__(message)
+        assert code in CODES and code != OK, code
         self.message = message
         self.code = code
         self.hint = hint

@@ -1,13 +1,33 @@
-"""File operations that never write in place: hashes, atomic replace, bytecode cleanup."""
+"""File operations that never write in place: hashes, atomic replace, bytecode cleanup.
+
+Every durable change goes through ``point()`` once it is made, so a test can kill the
+process right after any of them (``DDTREE_PATCH_FAULT=kill-at:N``) and list them all
+(``DDTREE_PATCH_FAULT_LOG=file``).
+"""
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
+import signal
 import stat
 import tempfile
 from pathlib import Path
+
+TMP_SUFFIX = ".ddtree-tmp"
+_points = [0]
+
+
+def point(label: str) -> None:
+    """A write point: log it, and SIGKILL ourselves here when the test asks for it."""
+    _points[0] += 1
+    n = _points[0]
+    log = os.environ.get("DDTREE_PATCH_FAULT_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{n} {label}\n")
+    if os.environ.get("DDTREE_PATCH_FAULT") == f"kill-at:{n}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -21,9 +41,11 @@ def sha256_file(path: Path) -> str | None:
         return None
 
 
-def record_hash(data: bytes) -> str:
-    """The hash form of a wheel RECORD row (urlsafe base64, no padding)."""
-    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+def read_or_none(path: Path) -> bytes | None:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def fsync_dir(path: Path) -> None:
@@ -34,11 +56,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, like: Path | None = None, mode: int = 0o644) -> None:
+def temp_name(path: Path, token: str) -> str:
+    """The temp file a journaled write of ``path`` uses (recovery removes it)."""
+    return f".{Path(path).name}.{token}{TMP_SUFFIX}"
+
+
+def atomic_write(path: Path, data: bytes, like: Path | None = None, mode: int = 0o644,
+                 tmp_name: str | None = None) -> None:
     """Write ``data`` to ``path`` through a temp file in the same folder and os.replace.
 
     The new file takes mode and owner from ``like`` (default: the file it replaces).
     Never writes in place, so a hard-linked original (uv's cache) stays intact.
+    ``tmp_name``: a fixed temp name (journaled by the caller); a stale one is replaced.
     """
     path = Path(path)
     ref = like if like is not None else path
@@ -47,12 +76,18 @@ def atomic_write(path: Path, data: bytes, like: Path | None = None, mode: int = 
         mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
     except FileNotFoundError:
         owner = None
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".ddtree-tmp", dir=path.parent)
+    if tmp_name is None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    else:
+        tmp = str(path.parent / tmp_name)
+        remove_file(Path(tmp), sync=False)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        point(f"temp written {tmp}")
         os.chmod(tmp, mode)
         if owner is not None and hasattr(os, "chown"):
             try:
@@ -61,45 +96,73 @@ def atomic_write(path: Path, data: bytes, like: Path | None = None, mode: int = 
                 pass  # not root: the file keeps our uid, as pip would leave it
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        remove_file(Path(tmp), sync=False)
         raise
     fsync_dir(path.parent)
+    point(f"replaced {path}")
 
 
-def remove_file(path: Path) -> None:
+def remove_file(path: Path, sync: bool = True) -> bool:
     try:
         os.unlink(path)
     except FileNotFoundError:
+        return False
+    if sync:
+        fsync_dir(Path(path).parent)
+        point(f"removed {path}")
+    return True
+
+
+def make_dirs(path: Path) -> None:
+    """mkdir -p, one write point per folder created."""
+    path = Path(path)
+    if path.is_dir():
         return
-    fsync_dir(path.parent)
+    make_dirs(path.parent)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return
+    point(f"mkdir {path}")
+
+
+def prune_dirs(d: Path, stop: Path) -> None:
+    """Remove folders left empty (an empty bytecode cache included), up to ``stop``."""
+    d, stop = Path(d).absolute(), Path(stop).absolute()
+    while d != stop and stop in d.parents:
+        cache = d / "__pycache__"
+        if cache.is_dir() and not any(cache.iterdir()):
+            cache.rmdir()
+            point(f"rmdir {cache}")
+        try:
+            d.rmdir()
+        except OSError:
+            return
+        point(f"rmdir {d}")
+        d = d.parent
+
+
+def bytecode_of(py_path: Path) -> list[Path]:
+    """Every cached .pyc of a module (all interpreters, all optimisation levels)."""
+    py_path = Path(py_path)
+    cache = py_path.parent / "__pycache__"
+    out = []
+    if cache.is_dir():
+        out = [p for p in cache.glob(py_path.stem + ".*.pyc")
+               if p.name.split(".")[0] == py_path.stem]
+    legacy = py_path.with_suffix(".pyc")  # Python 2 style, still honoured when sourceless
+    if legacy.exists():
+        out.append(legacy)
+    return out
 
 
 def remove_bytecode(py_path: Path) -> list[Path]:
-    """Delete every cached .pyc of a module (all interpreters, all optimisation levels)."""
-    py_path = Path(py_path)
-    cache = py_path.parent / "__pycache__"
-    removed = []
-    if cache.is_dir():
-        for pyc in cache.glob(py_path.stem + ".*.pyc"):
-            if pyc.name.split(".")[0] == py_path.stem:
-                pyc.unlink()
-                removed.append(pyc)
-    legacy = py_path.with_suffix(".pyc")  # Python 2 style, still honoured when sourceless
-    if legacy.exists():
-        legacy.unlink()
-        removed.append(legacy)
+    removed = bytecode_of(py_path)
+    for pyc in removed:
+        pyc.unlink()
+    if removed:
+        point(f"bytecode removed {py_path}")
     return removed
-
-
-def stale_bytecode(py_path: Path) -> list[Path]:
-    py_path = Path(py_path)
-    cache = py_path.parent / "__pycache__"
-    if not cache.is_dir():
-        return []
-    return [p for p in cache.glob(py_path.stem + ".*.pyc") if p.name.split(".")[0] == py_path.stem]
 
 
 def writable_problem(path: Path) -> str | None:

@@ -25,20 +25,22 @@ def emit_json(command: str, exit_code: int, payload: dict) -> None:
     doc = {"schema": JSON_SCHEMA, "command": command, "ok": exit_code == 0,
            "exit_code": exit_code}
     doc.update(payload)
-    click.echo(json.dumps(doc, indent=2, sort_keys=False))
+    click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
+
+
+def emit_next(hint: str) -> None:
+    click.echo(f"next: {hint}", err=True)
 
 
 def emit_error(err) -> None:
-    style = color_ok(sys.stderr)
-    head = click.style("error:", fg="red", bold=True) if style else "error:"
+    head = click.style("error:", fg="red", bold=True) if color_ok(sys.stderr) else "error:"
     click.echo(f"{head} {err.message}", err=True)
     for d in err.details:
         if isinstance(d, dict):
             click.echo("  - " + ", ".join(f"{k}: {v}" for k, v in d.items()), err=True)
         else:
             click.echo(f"  - {d}", err=True)
-    if err.hint:
-        click.echo(f"next: {err.hint}", err=True)
+    emit_next(err.hint or "see `ddtree-patch --help`")
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

@@ -1,126 +1,196 @@
-"""Per-install state kept outside site-packages: manifest, pristine backups, journal, lock.
+"""Per-install state kept outside site-packages: manifest, pristine backups, journal.
 
-Folder: ``$DDTREE_PATCH_STATE_DIR`` or ``~/.local/state/ddtree-patch``, then one
-sub-folder per install (hash of its site-packages path).  pip never sees it, so a
-reinstall cannot leave a marker that lies.
+Folder: ``$DDTREE_PATCH_STATE_DIR`` or ``$XDG_STATE_HOME/ddtree-patch`` or
+``~/.local/state/ddtree-patch``, then one sub-folder per install (hash of its
+site-packages path).  pip never sees it, so a reinstall cannot leave a marker that
+lies; what is in it is bound to the exact install (``manifest.Install``).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import LOCKED, PatchError
-from .fsops import atomic_write, sha256_bytes
+from .errors import DRIFT, TARGET, PatchError
+from .fsops import (TMP_SUFFIX, atomic_write, make_dirs, point, prune_dirs, remove_file,
+                    sha256_bytes, writable_problem)
+from .manifest import Journal, Manifest, StateError
 
-MANIFEST_SCHEMA = 1
+STATE_HINT = "set DDTREE_PATCH_STATE_DIR to a writable folder (or fix HOME)"
 
 
 def state_root() -> Path:
     env = os.environ.get("DDTREE_PATCH_STATE_DIR")
     if env:
-        return Path(env)
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
-                                                           "state")
-    return Path(base) / "ddtree-patch"
+        return Path(env).absolute()
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "ddtree-patch"
+    home = os.path.expanduser("~")
+    if not os.path.isabs(home) or not os.path.isdir(home):
+        raise PatchError(f"no state folder: the home folder {home!r} does not exist "
+                         "(HOME is not set or wrong)", TARGET, STATE_HINT)
+    return Path(home) / ".local" / "state" / "ddtree-patch"
+
+
+def _state_error(path: Path, exc: OSError) -> PatchError:
+    return PatchError(f"the state folder cannot be used: {path}: {exc.strerror or exc}",
+                      TARGET, STATE_HINT + "; nothing was written to vLLM")
 
 
 class State:
-    def __init__(self, key: str):
+    def __init__(self, key: str, reinstall_hint: str = ""):
         self.dir = state_root() / key
         self.backups = self.dir / "backups"
         self.journal_dir = self.dir / "journal"
+        self.manifest_path = self.dir / "manifest.json"
+        self.journal_path = self.journal_dir / "journal.json"
+        self.reinstall_hint = reinstall_hint or "reinstall vLLM"
 
-    # -------------------------------------------------------------- manifest
-    @property
-    def manifest_path(self) -> Path:
-        return self.dir / "manifest.json"
+    # -------------------------------------------------------------- the folder
+    def ensure_writable(self) -> None:
+        """Create the folder, or say why it cannot be used (before anything is written)."""
+        d = self.dir
+        while not d.exists() and d.parent != d:
+            d = d.parent  # the deepest folder that exists must be a writable folder
+        why = (f"{d} is not a folder" if not d.is_dir() else writable_problem(d))
+        if why is None:
+            try:
+                make_dirs(self.dir)
+            except OSError as exc:
+                why = f"{self.dir}: {exc.strerror or exc}"
+        if why:
+            raise PatchError(f"the state folder cannot be used: {why}", TARGET,
+                             STATE_HINT + "; nothing was written to vLLM")
 
-    def load_manifest(self) -> dict | None:
+    def _read(self, path: Path) -> bytes | None:
         try:
-            return json.loads(self.manifest_path.read_text())
+            return path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as exc:  # the folder is a file, no permission, ...
+            raise _state_error(path, exc)
 
-    def save_manifest(self, manifest: dict | None) -> None:
+    def _unreadable(self, path: Path, why) -> PatchError:
+        return PatchError(
+            f"the saved state {path} is unreadable ({why}): ddtree-patch cannot tell what "
+            "it changed", DRIFT,
+            f"{self.reinstall_hint}, then `ddtree-patch forget` (drops the unreadable state "
+            "and removes only files that hold ddtree-patch's own bytes)")
+
+    def leftovers(self, manifest: Manifest | None) -> list[str]:
+        """What a run killed before its journal was complete left here: temp files,
+        journal copies, backups the manifest does not need."""
+        if not self.dir.is_dir():
+            return []
+        keep = {rel for rel, rec in (manifest.files.items() if manifest else ())
+                if rec.kind == "modify"}
+        out = [p for p in self.dir.rglob("*") if p.is_file() and (
+            p.name.endswith(TMP_SUFFIX) or self.journal_dir in p.parents
+            or (self.backups in p.parents and p.relative_to(self.backups).as_posix()
+                not in keep))]
+        return sorted(str(p.relative_to(self.dir)) for p in out)
+
+    def clean_temp(self) -> None:
+        """Temp files a killed write left in the state folder."""
+        if self.dir.is_dir():
+            for p in self.dir.rglob("*" + TMP_SUFFIX):
+                remove_file(p)
+
+    def tidy(self) -> None:
+        """Remove the folder once it holds no file (nothing applied, no journal)."""
+        if self.dir.is_dir() and not any(p.is_file() for p in self.dir.rglob("*")):
+            shutil.rmtree(self.dir, ignore_errors=True)
+            point(f"state folder removed {self.dir}")
+
+    def forget(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        point(f"forgot {self.dir}")
+
+    # -------------------------------------------------------------- manifest
+    def manifest_sha(self) -> str | None:
+        data = self._read(self.manifest_path)
+        return sha256_bytes(data) if data is not None else None
+
+    def load_manifest(self) -> Manifest | None:
+        data = self._read(self.manifest_path)
+        if data is None:
+            return None
+        try:
+            return Manifest.from_json(json.loads(data))
+        except (ValueError, StateError) as exc:  # JSON errors are ValueErrors
+            raise self._unreadable(self.manifest_path, exc)
+
+    def save_manifest(self, manifest: Manifest | None) -> None:
         if manifest is None:
-            try:
-                os.unlink(self.manifest_path)
-            except FileNotFoundError:
-                pass
+            remove_file(self.manifest_path)
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        atomic_write(self.manifest_path, manifest_bytes(manifest))
 
     # -------------------------------------------------------------- backups
-    def backup_path(self, rel: str) -> Path:
-        return self.backups / rel
-
     def save_backup(self, rel: str, data: bytes) -> None:
-        p = self.backup_path(rel)
-        if p.exists() and p.read_bytes() == data:
+        p = self.backups / rel
+        if self._read(p) == data:
             return
-        p.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(p.parent)
         atomic_write(p, data, mode=0o644)
 
     def read_backup(self, rel: str, expect_sha: str) -> bytes:
-        try:
-            data = self.backup_path(rel).read_bytes()
-        except FileNotFoundError:
-            raise PatchError(f"the backup of {rel} is missing from {self.backups}", 4,
-                             "reinstall vLLM: python -m pip install --force-reinstall --no-deps "
-                             "<dist>==<version>, then run ddtree-patch status")
-        if sha256_bytes(data) != expect_sha:
-            raise PatchError(f"the backup of {rel} in {self.backups} is corrupt", 4,
-                             "reinstall vLLM: python -m pip install --force-reinstall --no-deps "
-                             "<dist>==<version>, then run ddtree-patch status")
+        data = self._read(self.backups / rel)
+        if data is None or sha256_bytes(data) != expect_sha:
+            raise PatchError(f"the backup of {rel} in {self.backups} is "
+                             + ("missing" if data is None else "corrupt"), DRIFT,
+                             f"{self.reinstall_hint}, then run `ddtree-patch status`")
         return data
 
-    def drop_backups(self) -> None:
-        shutil.rmtree(self.backups, ignore_errors=True)
+    def prune_backups(self, keep: set[str]) -> None:
+        """Remove every backup but those of ``keep`` (what the manifest still needs)."""
+        if not self.backups.is_dir():
+            return
+        for p in sorted(self.backups.rglob("*")):
+            if p.is_file() and p.relative_to(self.backups).as_posix() not in keep:
+                remove_file(p)
+                prune_dirs(p.parent, self.backups)
+        if not keep:
+            shutil.rmtree(self.backups, ignore_errors=True)
 
     # -------------------------------------------------------------- journal
-    @property
-    def journal_path(self) -> Path:
-        return self.journal_dir / "journal.json"
-
-    def load_journal(self) -> dict | None:
-        try:
-            return json.loads(self.journal_path.read_text())
-        except FileNotFoundError:
+    def load_journal(self) -> Journal | None:
+        data = self._read(self.journal_path)
+        if data is None:
             return None
+        try:
+            return Journal.from_json(json.loads(data))
+        except (ValueError, StateError) as exc:
+            raise self._unreadable(self.journal_path, exc)
+
+    def has_journal(self) -> bool:
+        return self.journal_path.exists()
+
+    def save_journal(self, j: Journal, befores: dict[str, bytes]) -> None:
+        make_dirs(self.journal_dir)
+        for name, data in befores.items():
+            atomic_write(self.journal_dir / name, data, mode=0o644)
+        atomic_write(self.journal_path, json.dumps(j.to_json()).encode(), mode=0o644)
+
+    def read_before(self, name: str, expect_sha: str) -> bytes:
+        data = self._read(self.journal_dir / name)
+        if data is None or sha256_bytes(data) != expect_sha:
+            raise self._unreadable(self.journal_dir / name, "a saved copy is missing or "
+                                   "corrupt")
+        return data
 
     def clear_journal(self) -> None:
-        shutil.rmtree(self.journal_dir, ignore_errors=True)
+        """journal.json goes first: a kill half-way leaves no journal to act on."""
+        remove_file(self.journal_path)
+        if self.journal_dir.exists():
+            shutil.rmtree(self.journal_dir, ignore_errors=True)
+            point(f"journal cleared {self.journal_dir}")
 
-    # -------------------------------------------------------------- lock
-    @contextmanager
-    def lock(self):
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / "lock"
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            f.close()
-            raise PatchError(f"another ddtree-patch run holds the lock on this install "
-                             f"(pid {holder}, lock {path})", LOCKED,
-                             "wait for it to finish and run the command again")
-        try:
-            f.seek(0)
-            f.truncate()
-            f.write(str(os.getpid()))
-            f.flush()
-            yield
-        finally:
-            f.seek(0)
-            f.truncate()
-            f.flush()
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-            f.close()
+
+def manifest_bytes(manifest: Manifest | None) -> bytes | None:
+    if manifest is None:
+        return None
+    return json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode()

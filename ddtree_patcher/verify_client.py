@@ -1,4 +1,8 @@
-"""Start the verify suite (verify/runner.py) in a fresh interpreter of the target env."""
+"""Start the verify suite (verify/runner.py) in a fresh interpreter of the target env.
+
+Each check ends ``passed``, ``failed`` or ``skipped`` (with the reason); a skipped check
+is never counted as passed, and the summary names what was not checked.
+"""
 
 from __future__ import annotations
 
@@ -13,30 +17,46 @@ from pathlib import Path
 from .state import State
 from .target import Target
 
+CHECKS = ("integrity", "imports", "kernels", "engine")
+ORACLE = Path(__file__).parent / "core" / "heap_reference.py"
 
-def _spec(t: Target, quick: bool, seed: int | None) -> dict:
-    manifest = State(t.key).load_manifest() or {"files": {}, "applied": []}
-    checks = ["integrity"]
-    if t.python:
-        checks += ["imports", "kernels"] + ([] if quick else ["engine"])
+
+def _plan_checks(t: Target, quick: bool) -> tuple[list[str], dict[str, str]]:
+    """Checks to run, and the reason each other one is skipped."""
+    skipped = {}
+    if not t.python:
+        for name in CHECKS[1:]:
+            skipped[name] = "a bare --site-packages tree has no interpreter: use --python"
+    elif quick:
+        skipped["engine"] = "--quick; `ddtree-patch verify` runs it"
+    return [c for c in CHECKS if c not in skipped], skipped
+
+
+def _spec(t: Target, checks: list[str], quick: bool, seed: int | None) -> dict:
+    manifest = State(t.key, t.reinstall_hint()).load_manifest()
     return {
         "site": str(t.site), "dist_info": str(t.dist_info), "dist": t.dist,
         "version": t.version, "checks": checks, "quick": quick, "seed": seed,
-        "files": {rel: rec["post_sha"] for rel, rec in manifest["files"].items()},
-        "applied": manifest["applied"],
+        "files": {rel: rec.post_sha for rel, rec in manifest.files.items()} if manifest
+        else {},
+        "applied": manifest.applied if manifest else [],
     }
 
 
 def run_verify(t: Target, quick: bool = False, seed: int | None = None) -> dict:
-    """Copy verify/ to a temp folder as package ``ddtree_verify`` and run its runner in
-    a fresh interpreter of the target environment (never in this process)."""
+    """Copy verify/ (and the heapq oracle, which is not installed into vLLM) to a temp
+    folder as package ``ddtree_verify`` and run its runner in a fresh interpreter of
+    the target environment (never in this process)."""
     from . import verify as pkg
 
-    spec = _spec(t, quick, seed)
+    checks, skipped = _plan_checks(t, quick)
+    spec = _spec(t, checks, quick, seed)
     python = t.python or sys.executable
     with tempfile.TemporaryDirectory(prefix="ddtree-verify-") as tmp:
-        shutil.copytree(Path(pkg.__file__).parent, Path(tmp) / "ddtree_verify",
+        dest = Path(tmp) / "ddtree_verify"
+        shutil.copytree(Path(pkg.__file__).parent, dest,
                         ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(ORACLE, dest / "heap_reference.py")
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
@@ -50,19 +70,38 @@ def run_verify(t: Target, quick: bool = False, seed: int | None = None) -> dict:
         if line.startswith("DDTREE-VERIFY "):
             results = json.loads(line[len("DDTREE-VERIFY "):])
     if results is None:
-        results = [{"check": "runner", "ok": False, "seconds": 0.0,
+        results = [{"check": "runner", "status": "failed", "seconds": 0.0,
                     "message": f"the verify runner died (exit {proc.returncode}): "
                                + proc.stderr.strip()[-800:]}]
-    if not t.python:
-        results.append({"check": "imports, kernels, engine", "ok": True, "seconds": 0.0,
-                        "skipped": True, "message": "skipped: a bare --site-packages tree "
-                        "has no interpreter (use --python)"})
-    failed = [r for r in results if not r["ok"]]
-    ok = not failed
-    summary = ("verify: all checks passed" if ok else
-               "verify FAILED: " + ", ".join(r["check"] for r in failed))
-    return {"ok": ok, "checks": results, "failed": failed, "summary": summary,
-            "recovery": recovery_commands(t)}
+    results += [{"check": name, "status": "skipped", "seconds": 0.0,
+                 "message": f"skipped: {why}"} for name, why in skipped.items()]
+    return report(t, results)
+
+
+def report(t: Target, results: list[dict]) -> dict:
+    for r in results:
+        r["ok"] = r["status"] == "passed"  # a skipped check is not a passed one
+        r["skipped"] = r["status"] == "skipped"
+    failed = [r for r in results if r["status"] == "failed"]
+    skipped = [r for r in results if r["status"] == "skipped"]
+    passed = [r["check"] for r in results if r["status"] == "passed"]
+    if failed:
+        summary = "verify FAILED: " + ", ".join(r["check"] for r in failed)
+    elif skipped:
+        why: dict[str, list[str]] = {}
+        for r in skipped:
+            why.setdefault(r["message"].removeprefix("skipped: "), []).append(r["check"])
+        summary = (f"verify: passed {', '.join(passed) or 'nothing'}; NOT checked: "
+                   + "; ".join(f"{', '.join(names)} ({reason})" for reason, names in
+                               why.items()))
+    else:
+        summary = f"verify: all checks passed ({', '.join(passed)})"
+    doc = {"ok": not failed, "complete": not failed and not skipped, "checks": results,
+           "failed": failed, "skipped": [r["check"] for r in skipped], "summary": summary,
+           "recovery": recovery_commands(t)}
+    if failed:
+        doc["next"] = "; or ".join(f"`{c}`" for c in doc["recovery"])
+    return doc
 
 
 def recovery_commands(t: Target) -> list[str]:
@@ -74,12 +113,12 @@ def recovery_commands(t: Target) -> list[str]:
     return [f"ddtree-patch revert{where}", pip]
 
 
-def format_report(report: dict, t: Target) -> str:
+def format_report(report: dict) -> str:
     from .output import table
 
-    rows = [[r["check"], "skip" if r.get("skipped") else ("ok" if r["ok"] else "FAIL"),
+    rows = [[r["check"], {"passed": "ok", "failed": "FAIL", "skipped": "skip"}[r["status"]],
              f"{r['seconds']:.1f}s", r["message"]] for r in report["checks"]]
     text = table(rows, ["check", "result", "time", "detail"]) + "\n" + report["summary"]
-    if not report["ok"]:
+    if report["failed"]:
         text += "\nto recover:\n" + "\n".join("  " + c for c in report["recovery"])
     return text

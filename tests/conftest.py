@@ -25,12 +25,13 @@ def state_dir(tmp_path, monkeypatch):
 
 @pytest.fixture
 def tree(tmp_path):
-    """tree(dist, version) -> a private copy of the pip-installed real wheel."""
+    """tree(dist, version, slim=False) -> a private copy of the pip-installed real wheel
+    (slim: its Python files and dist-info only, see wheels.copy_tree)."""
     n = [0]
 
-    def make(dist: str = "vllm", version: str = "0.20.2") -> Path:
+    def make(dist: str = "vllm", version: str = "0.20.2", slim: bool = False) -> Path:
         n[0] += 1
-        return copy_tree(dist, version, tmp_path / f"site{n[0]}")
+        return copy_tree(dist, version, tmp_path / f"site{n[0]}", slim=slim)
 
     return make
 
@@ -53,12 +54,14 @@ class Result:
         return f"<exit {self.code}\nstdout: {self.out[-2000:]}\nstderr: {self.err[-2000:]}>"
 
 
-def run_cli(*args, env=None, check=None) -> Result:
-    """ddtree-patch in a subprocess (the real console entry point)."""
+def run_cli(*args, env=None, check=None, **popen) -> Result:
+    """ddtree-patch in a subprocess (the real console entry point).  ``env`` values of
+    None remove the variable."""
     e = dict(os.environ)
     e.update(env or {})
+    e = {k: v for k, v in e.items() if v is not None}
     p = subprocess.run([sys.executable, "-m", "ddtree_patcher.cli", *map(str, args)],
-                       capture_output=True, text=True, env=e)
+                       capture_output=True, text=True, env=e, **popen)
     r = Result(p.returncode, p.stdout, p.stderr)
     if check is not None:
         assert r.code == check, r

@@ -7,7 +7,20 @@ on the CPU the torch path (and Triton under TRITON_INTERPRET=1 when available).
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
+
+
+def load_oracle(core):
+    """The heapq oracle (ddtree_patcher/core/heap_reference.py, copied next to this file
+    by verify_client; never installed into vLLM), loaded as a module of the core under
+    test so that its relative imports (quantisation) resolve to that core."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heap_reference.py")
+    spec = importlib.util.spec_from_file_location(core.__name__ + "._verify_oracle", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _backends(core, device: str) -> list[str]:
@@ -17,7 +30,7 @@ def _backends(core, device: str) -> list[str]:
     return out
 
 
-def check_build(core, device: str, seed: int) -> str:
+def check_build(core, oracle, device: str, seed: int) -> str:
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -29,7 +42,7 @@ def check_build(core, device: str, seed: int) -> str:
             tree = core.build_tree(lp.to(device), budget.to(device), bmax, logprobs=True,
                                    backend=backend)
             for i in range(n):
-                want = [(t, p, d) for t, p, d, _ in core.reference_tree(lp[i], int(budget[i]))]
+                want = [(t, p, d) for t, p, d, _ in oracle.reference_tree(lp[i], int(budget[i]))]
                 k = int(tree.num_nodes[i])
                 got = list(zip(tree.tokens[i, :k].tolist(), tree.parents[i, :k].tolist(),
                                tree.depths[i, :k].tolist()))
@@ -155,11 +168,12 @@ def check_compaction(core, device: str, seed: int) -> str:
     return "KV compaction == reference"
 
 
-def run(core, device: str | None = None, seed: int | None = None) -> tuple[bool, str]:
+def run(core, device: str | None = None, seed: int | None = None, *, oracle
+        ) -> tuple[bool, str]:
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     seed = seed if seed is not None else random.randrange(1 << 30)
-    msgs = [check_build(core, device, seed), check_walks(core, device, seed + 1),
+    msgs = [check_build(core, oracle, device, seed), check_walks(core, device, seed + 1),
             check_compaction(core, device, seed + 2)]
     return True, f"{device}, seed {seed}: " + "; ".join(msgs)

@@ -4,7 +4,7 @@ Started by ``ddtree_patcher.verify_client`` as ``python -m ddtree_verify.runner 
 from a temporary copy of this package (the target env need not have ddtree-patch).
 It imports the *patched vLLM* and the DDTree core copied into it, so it checks what
 will serve.  Prints one line ``DDTREE-VERIFY <json>``: a list of checks with name,
-ok, seconds, message.
+status (passed / failed / skipped), seconds, message.
 """
 
 import importlib
@@ -14,6 +14,10 @@ import time
 import traceback
 
 from . import integrity
+
+
+class Skipped(Exception):
+    """The check does not apply here (the message says why); never counted as passed."""
 
 
 def check_imports(spec):
@@ -55,16 +59,16 @@ def check_kernels(spec):
     from . import kernels
 
     if "ddtree-proposer" not in spec["applied"]:
-        return True, "skipped: DDTree is not applied"
+        raise Skipped("DDTree is not applied")
     core = importlib.import_module("vllm.v1.spec_decode.ddtree.core")
-    return kernels.run(core, seed=spec.get("seed"))
+    return kernels.run(core, seed=spec.get("seed"), oracle=kernels.load_oracle(core))
 
 
 def check_engine(spec):
     from . import engine_check
 
     if "ddtree-sampler" not in spec["applied"]:
-        return True, "skipped: DDTree is not applied"
+        raise Skipped("DDTree is not applied")
     return engine_check.run(spec)
 
 
@@ -81,14 +85,21 @@ def main(argv):
         t0 = time.perf_counter()
         try:
             ok, msg = CHECKS[name](spec)
+            status = "passed" if ok else "failed"
+        except Skipped as why:
+            status, msg = "skipped", f"skipped: {why}"
         except Exception as exc:  # a check that raises fails, with the reason
-            ok, msg = False, f"{type(exc).__name__}: {exc}"
+            status, msg = "failed", f"{type(exc).__name__}: {exc}"
             where = traceback.extract_tb(exc.__traceback__)[-1]
             msg += f" (at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
-        results.append({"check": name, "ok": bool(ok),
+        results.append({"check": name, "status": status,
                         "seconds": round(time.perf_counter() - t0, 2), "message": msg})
-        if not ok and name in ("integrity", "imports"):
-            break  # importing or running broken files proves nothing more
+        if status == "failed" and name in ("integrity", "imports"):
+            rest = spec["checks"][spec["checks"].index(name) + 1:]
+            results += [{"check": n, "status": "skipped", "seconds": 0.0,
+                         "message": f"skipped: {name} failed (running broken files proves "
+                         "nothing more)"} for n in rest]
+            break
     print("DDTREE-VERIFY " + json.dumps(results), flush=True)
 
 

@@ -55,7 +55,6 @@ backend: 'auto' (Triton on CUDA tensors when importable, else torch), 'torch',
 
 from ._triton import HAS_TRITON
 from . import gdn_tree
-from .heap_reference import build_tree_ports_style, heap_build, reference_tree
 from .kv_compact import LAYOUTS, compact_kv, compact_kv_slots, compaction_slots, token_view
 from .sampling import apply_top_k_top_p, target_probs
 from .tree_build import (
@@ -71,10 +70,19 @@ from .tree_build import (
 from .vocab_topk import row_logsumexp, vocab_topk
 from .tree_walk import WalkResult, masses, walk_greedy, walk_sampled
 
+_ORACLE = ("build_tree_ports_style", "heap_build", "reference_tree")
+
+
+def __getattr__(name):  # the heapq oracle is not copied into vLLM: import it on demand
+    if name in _ORACLE:
+        from . import heap_reference
+        return getattr(heap_reference, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "HAS_TRITON", "gdn_tree", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "chain_scores", "vocab_topk",
     "row_logsumexp", "ancestor_mask", "canonical_topk",
-    "quantize_logprobs", "heap_build", "reference_tree", "build_tree_ports_style", "WalkResult",
+    "quantize_logprobs", "WalkResult",
     "walk_greedy", "walk_sampled", "masses", "target_probs", "apply_top_k_top_p", "compact_kv",
     "compact_kv_slots", "compaction_slots", "token_view", "LAYOUTS",
 ]

@@ -401,6 +401,7 @@ def build_tree(
 ) -> DDTree:
     """DDTree from drafter logits (or log-probs if logprobs=True) [N, L, V].
 
+    NaN and +-inf entries are excluded tokens (as -inf): they never enter the tree.
     budget: int or LongTensor [N] (clamped to 0..max_budget).  No host sync; on CUDA
     (backend='triton', topk='fused': the defaults there) it is four Triton kernels
     (vocab top-K + lse: 2, tree, mask) plus the budget tensor's fill, and CUDA-graph
@@ -411,6 +412,10 @@ def build_tree(
     if v > (1 << TOK_BITS):
         raise ValueError("vocab larger than 2**20 is not supported")
     k = min(max_budget, v)
+    # NaN / +-inf from a drafter mean "no usable probability": -inf, so such a token
+    # never takes a top-K slot and never enters a tree
+    ninf = float("-inf")
+    draft = torch.nan_to_num(draft, nan=ninf, posinf=ninf, neginf=ninf)
     vals, idx, lse = vocab_topk(draft, k, with_lse=not logprobs, impl=topk)
     return build_tree_from_topk(vals, idx, budget, max_budget, lse, backend, with_mask)
 

@@ -8,12 +8,15 @@ attention) and ``v0_32`` (0.32.0, 0.33.0; ``v2_v0_32``: their V2 model runner).
 
 from pathlib import Path
 
+from ...versions import V0_20, V0_32
 from ..framework import AddedFile, Family, Transform
 from . import gdn_v0_32, v0_20, v0_32, v2_v0_32
 
 PAYLOAD = Path(__file__).parent / "payload"
 
 DEST = "vllm/v1/spec_decode/ddtree"
+# The heapq oracle / benchmark baseline stays out of vLLM (verify carries its own copy).
+NOT_SHIPPED = ("heap_reference.py",)
 
 
 def _core_dir() -> Path:
@@ -27,13 +30,12 @@ def _added() -> tuple[AddedFile, ...]:
     for p in sorted(PAYLOAD.glob("*.py")):
         files.append(AddedFile(f"{DEST}/{p.name}", p.read_bytes, f"payload {p.name}"))
     for p in sorted(_core_dir().glob("*.py")):
+        if p.name in NOT_SHIPPED:
+            continue
         files.append(AddedFile(f"{DEST}/core/{p.name}", p.read_bytes,
                                f"DDTree core {p.name}"))
     return tuple(files)
 
-
-V0_20 = ("0.20.0", "0.20.1", "0.20.2")
-V0_32 = ("0.32.0", "0.33.0")
 
 PROPOSER = Transform(
     name="ddtree-proposer",
@@ -53,7 +55,7 @@ SAMPLER = Transform(
     name="ddtree-sampler",
     summary="verify the whole tree in one target pass (tree positions, ancestor-only "
             "attention), walk it greedily or losslessly sampled, compact the path's KV",
-    reference="DESIGN.md sections 5-6",
+    reference="docs/DESIGN.md, tree verification",
     families=(Family(versions=V0_20, edits=(v0_20.SAMPLER_RUNNER_EDIT,
                                             v0_20.FLASH_EDIT, v0_20.FLEX_EDIT)),
               Family(versions=V0_32, edits=(v0_32.SAMPLER_RUNNER_EDIT,

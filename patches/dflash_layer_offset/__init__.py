@@ -5,6 +5,7 @@ layer ``k + 1`` and the speculators-format loader must store ``aux - 1``.  0.20.
 the fix (``v0_20``); 0.32.0 and 0.33.0 ship it, which the same detectors confirm.
 """
 
+from ...versions import V0_20, V0_32
 from ..framework import Family, Transform
 from . import v0_20
 
@@ -13,8 +14,8 @@ TRANSFORM = Transform(
     summary="DFlash reads target layer k's output: aux layer ids = target_layer_ids + 1",
     reference="vLLM PR #40727",
     families=(
-        Family(versions=("0.20.0", "0.20.1", "0.20.2"), edits=v0_20.EDITS),
-        Family(versions=("0.32.0", "0.33.0"), edits=v0_20.EDITS, upstream=True,
+        Family(versions=V0_20, edits=v0_20.EDITS),
+        Family(versions=V0_32, edits=v0_20.EDITS, upstream=True,
                note="upstream since 0.22"),
     ),
 )

@@ -9,6 +9,7 @@ with one block table / slot mapping / causality per KV-cache group and writes th
 context K/V into every group (added module vllm/v1/spec_decode/dflash_swa.py).
 """
 
+from ...versions import V0_20, V0_32
 from ..framework import Family, Transform
 from . import v0_20, v0_32
 from .common import ADDED
@@ -19,8 +20,8 @@ TRANSFORM = Transform(
             "sliding/full drafters on the V1 runner (per-KV-group proposer)",
     reference="vLLM PR #40898 (closed), #47914 (V2 only)",
     families=(
-        Family(versions=("0.20.0", "0.20.1", "0.20.2"), edits=v0_20.EDITS, added=ADDED),
-        Family(versions=("0.32.0", "0.33.0"), edits=v0_32.EDITS, added=ADDED,
+        Family(versions=V0_20, edits=v0_20.EDITS, added=ADDED),
+        Family(versions=V0_32, edits=v0_32.EDITS, added=ADDED,
                note="per-layer windows upstream since 0.25; V1 mixed drafters added"),
     ),
 )

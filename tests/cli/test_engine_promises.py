@@ -192,12 +192,20 @@ def test_interrupted_run_rolled_back_by_next_apply(tree, cli):
     assert cli("status", "--json", *sp(site), check=0).json["status"] == "patched"
 
 
-def test_lock_refuses_concurrent_run(tree, cli):
+def test_lock_refuses_concurrent_run(tree, cli, tmp_path):
+    """The lock is on the tree itself: a run with another state folder (another user,
+    DDTREE_PATCH_STATE_DIR) is refused too, and nothing is written."""
     site = tree("vllm", "0.20.2")
-    st = State(find_target(site_packages=str(site)).key)
-    with st.lock():
+    before = snapshot(site)
+    with find_target(site_packages=str(site)).lock():
         r = cli("apply", *ONLY, *sp(site), check=5)
-    assert "holds the lock" in r.err and str(os.getpid()) in r.err
+        assert "holds the lock" in r.err and str(os.getpid()) in r.err
+        r = cli("apply", "--json", *ONLY, *sp(site), check=5,
+                env={"DDTREE_PATCH_STATE_DIR": str(tmp_path / "other-user")})
+        assert r.json["error"]["exit_code"] == 5
+        cli("revert", *sp(site), check=5)
+        cli("recover", *sp(site), check=5)
+    assert snapshot(site) == before
 
 
 def test_never_writes_in_place(tree, cli, tmp_path):

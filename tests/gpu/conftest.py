@@ -1,5 +1,7 @@
-"""GPU tests: they run on CUDA; without CUDA they skip, except where TRITON_INTERPRET=1 is
-set explicitly (small sizes through the Triton interpreter on the CPU)."""
+"""GPU tests: they run on CUDA; without CUDA they run small sizes through the Triton
+interpreter on the CPU.  TRITON_INTERPRET=1 is set here (before any kernel is defined)
+unless you set it yourself, so the result does not depend on which other test folders
+were collected first; TRITON_INTERPRET=0 without CUDA skips them."""
 
 import importlib
 import os
@@ -12,8 +14,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 _PKG = {}
 
@@ -36,4 +40,4 @@ def device() -> str:
         return "cuda"
     if INTERPRET:
         return "cpu"
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 for small CPU checks)")
+    pytest.skip("needs CUDA (TRITON_INTERPRET=0 was set: no CPU interpreter run)")

@@ -2,12 +2,12 @@
 wrong (integrity through the real CLI on real trees; kernels with a core made wrong on
 purpose)."""
 
-import os
 import types
 
 import pytest
 
 import ddtree_patcher.core as core
+from ddtree_patcher.core import heap_reference
 from ddtree_patcher.verify import kernels
 
 SPEC_PY = "vllm/config/speculative.py"
@@ -26,10 +26,21 @@ def verify(cli, site, code):
     return r.json
 
 
-def test_clean_patch_passes(patched, cli):
+def test_clean_patch_passes_and_says_what_was_not_checked(patched, cli):
+    """A bare tree has no interpreter: imports, kernels and the engine run are skipped,
+    and a skipped check is never reported as passed."""
     j = verify(cli, patched, 0)
-    assert j["ok"] and j["checks"][0]["check"] == "integrity"
-    assert "seconds" in j["checks"][0]
+    status = {c["check"]: c["status"] for c in j["checks"]}
+    assert status == {"integrity": "passed", "imports": "skipped", "kernels": "skipped",
+                      "engine": "skipped"}
+    assert j["ok"] and not j["complete"] and j["skipped"] == ["imports", "kernels", "engine"]
+    for c in j["checks"]:
+        assert c["ok"] is (c["status"] == "passed") and "seconds" in c
+    assert "all checks passed" not in j["summary"]
+    assert "NOT checked: imports, kernels, engine" in j["summary"]
+    text = cli("verify", "--site-packages", patched, check=0).out
+    assert "all checks passed" not in text and "NOT checked" in text
+    assert "skip" in text
 
 
 def test_tampered_patched_file(patched, cli):
@@ -40,8 +51,9 @@ def test_tampered_patched_file(patched, cli):
     assert f"{SPEC_PY}: differs from the patched content" in j["failed"][0]["message"]
     assert any("ddtree-patch revert" in c for c in j["recovery"])
     assert any("--force-reinstall --no-deps vllm==0.33.0" in c for c in j["recovery"])
-    text = cli("verify", "--site-packages", patched, check=1).out
-    assert "FAIL" in text and "to recover:" in text
+    r = cli("verify", "--site-packages", patched, check=1)
+    assert "FAIL" in r.out and "to recover:" in r.out
+    assert "next: `ddtree-patch revert --site-packages" in r.err and j["next"]
 
 
 def test_missing_added_module(patched, cli):
@@ -76,7 +88,7 @@ def _wrong(core_mod, **over):
 
 
 def test_kernel_checks_pass_on_the_real_core():
-    ok, msg = kernels.run(core, "cpu", seed=1234)
+    ok, msg = kernels.run(core, "cpu", seed=1234, oracle=heap_reference)
     assert ok and "seed 1234" in msg
 
 
@@ -91,7 +103,7 @@ def test_wrong_greedy_walk_is_caught():
         return core.WalkResult(rows, toks, res.num_accepted * 0)
 
     with pytest.raises(AssertionError, match="greedy tree walk .* differs"):
-        kernels.run(_wrong(core, walk_greedy=bad_walk), "cpu", seed=3)
+        kernels.run(_wrong(core, walk_greedy=bad_walk), "cpu", seed=3, oracle=heap_reference)
 
 
 def test_biased_sampled_walk_is_caught():
@@ -99,7 +111,7 @@ def test_biased_sampled_walk_is_caught():
         return core.walk_sampled(probs, tree, uniforms.sqrt(), backend=backend)
 
     with pytest.raises(AssertionError, match="sampled tree walk .* differs"):
-        kernels.run(_wrong(core, walk_sampled=biased), "cpu", seed=5)
+        kernels.run(_wrong(core, walk_sampled=biased), "cpu", seed=5, oracle=heap_reference)
 
 
 def test_wrong_tree_build_is_caught():
@@ -109,7 +121,7 @@ def test_wrong_tree_build_is_caught():
         return t
 
     with pytest.raises(AssertionError, match="tree build .* differs from the heap"):
-        kernels.run(_wrong(core, build_tree=shallow), "cpu", seed=7)
+        kernels.run(_wrong(core, build_tree=shallow), "cpu", seed=7, oracle=heap_reference)
 
 
 def test_wrong_compaction_is_caught():
@@ -117,4 +129,30 @@ def test_wrong_compaction_is_caught():
         return None
 
     with pytest.raises(AssertionError, match="KV compaction .* differs"):
-        kernels.run(_wrong(core, compact_kv=lazy), "cpu", seed=9)
+        kernels.run(_wrong(core, compact_kv=lazy), "cpu", seed=9, oracle=heap_reference)
+
+
+def test_oracle_is_loaded_next_to_the_installed_core(tmp_path, monkeypatch):
+    """vLLM gets the core without heap_reference.py; verify carries its own copy and
+    loads it as a module of the core under test (as the runner does in the target env)."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    src = Path(core.__file__).parent
+    shutil.copytree(src, tmp_path / "vendored_core",
+                    ignore=shutil.ignore_patterns("heap_reference.py", "__pycache__"))
+    verify_copy = tmp_path / "verify_copy"
+    shutil.copytree(Path(kernels.__file__).parent, verify_copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(src / "heap_reference.py", verify_copy / "heap_reference.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    installed = importlib.import_module("vendored_core")
+    vk = importlib.import_module("verify_copy.kernels")
+    with pytest.raises(ImportError):
+        installed.heap_build  # noqa: B018 - not shipped
+    ok, msg = vk.run(installed, "cpu", seed=11, oracle=vk.load_oracle(installed))
+    assert ok and "tree build == heapq reference" in msg
+    sys.modules.pop("vendored_core", None)
