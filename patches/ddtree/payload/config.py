@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 METHOD = "ddtree"
 
 
@@ -39,7 +41,7 @@ def ddtree_post_init(spec) -> None:
                          "dflash_config); got architectures "
                          f"{getattr(hf, 'architectures', None)}")
     if spec.ddtree_depth is None:
-        block = getattr(hf, "block_size", None)
+        block = drafter_block_size(hf)
         spec.ddtree_depth = int(block) - 1 if block and int(block) > 1 else 15
     if spec.ddtree_depth < 1:
         raise ValueError(f"ddtree_depth must be >= 1, got {spec.ddtree_depth}")
@@ -58,6 +60,32 @@ def ddtree_post_init(spec) -> None:
     if getattr(spec, "disable_padded_drafter_batch", False):
         raise ValueError("method='ddtree' needs the padded drafter batch "
                          "(disable_padded_drafter_batch=False)")
+
+
+def drafter_block_size(hf) -> int | None:
+    """The drafter's trained block size: top-level ``block_size`` (z-lab's first
+    layout) or ``dflash_config.block_size`` (their later, nested layout)."""
+    block = getattr(hf, "block_size", None)
+    if block is None and isinstance(getattr(hf, "dflash_config", None), dict):
+        block = hf.dflash_config.get("block_size")
+    return block
+
+
+@functools.cache
+def _request_error_class() -> type:
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # older vLLM (0.20.x): a ValueError already means HTTP 400
+        return ValueError
+    if issubclass(VLLMClientError, ValueError):
+        return VLLMClientError
+    return type("DDTreeRequestError", (VLLMClientError, ValueError), {})
+
+
+def request_error(message: str) -> ValueError:
+    """A ValueError that vLLM's OpenAI server also answers with HTTP 400 and this
+    message (0.32's request path turns a plain ValueError into a bare HTTP 500)."""
+    return _request_error_class()(message)
 
 
 def validate_request(params) -> None:
@@ -86,8 +114,8 @@ def validate_request(params) -> None:
     if getattr(params, "logprob_token_ids", None):
         bad.append("logprob_token_ids")
     if bad:
-        raise ValueError("speculative method 'ddtree' does not support "
-                         + ", ".join(bad) + " yet; drop them or serve without DDTree")
+        raise request_error("speculative method 'ddtree' does not support "
+                            + ", ".join(bad) + " yet; drop them or serve without DDTree")
 
 
 def ddtree_vllm_config(vllm_config) -> None:
@@ -104,3 +132,19 @@ def ddtree_vllm_config(vllm_config) -> None:
                          "VLLM_USE_V2_MODEL_RUNNER")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("method='ddtree' does not support pipeline parallelism yet")
+
+
+def ddtree_metrics_info(stat_logger, vllm_config) -> None:
+    """/metrics names the method (the spec-decode counters carry no method label):
+    vllm:spec_decode_config_info{method="ddtree", num_speculative_tokens=B,
+    ddtree_depth=L, ...} 1, set up in PrometheusStatLogger.__init__."""
+    spec = vllm_config.speculative_config
+    gauge = stat_logger._gauge_cls(
+        name="vllm:spec_decode_config_info",
+        documentation="Speculative decoding method and its settings.",
+        multiprocess_mode="mostrecent",
+        labelnames=["model_name", "engine", "method", "num_speculative_tokens",
+                    "ddtree_depth", "draft_model"])
+    for labelvalues in stat_logger.per_engine_labelvalues.values():
+        gauge.labels(*labelvalues, METHOD, str(spec.ddtree_budget), str(spec.ddtree_depth),
+                     str(spec.draft_model_config.model)).set(1)
