@@ -20,8 +20,8 @@ quietly() {
     while kill -0 "$_QUIET_PID" 2>/dev/null; do
         sleep 1
         if ((SECONDS - t0 >= next)); then
-            last=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1 | cut -c1-100)
-            say "    ... $((SECONDS - t0)) s${last:+: $last}"
+            last=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1 | cut -c1-100 || true)
+            say "    ... still running, $((SECONDS - t0)) s${last:+: $last}"
             next=$((next + 15))
         fi
     done
