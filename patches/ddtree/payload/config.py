@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 METHOD = "ddtree"
 
 
@@ -71,21 +69,17 @@ def drafter_block_size(hf) -> int | None:
     return block
 
 
-@functools.cache
-def _request_error_class() -> type:
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:  # older vLLM (0.20.x): a ValueError already means HTTP 400
-        return ValueError
-    if issubclass(VLLMClientError, ValueError):
-        return VLLMClientError
-    return type("DDTreeRequestError", (VLLMClientError, ValueError), {})
+try:  # 0.2x+: the OpenAI server answers a VLLMClientError with HTTP 400 + its message
+    from vllm.exceptions import VLLMClientError as _ClientError
+except ImportError:  # 0.20.x (or outside vLLM): a ValueError already means HTTP 400
+    _ClientError = ValueError
+_BASES = (_ClientError,) if issubclass(_ClientError, ValueError) else \
+    (_ClientError, ValueError)
 
 
-def request_error(message: str) -> ValueError:
-    """A ValueError that vLLM's OpenAI server also answers with HTTP 400 and this
-    message (0.32's request path turns a plain ValueError into a bare HTTP 500)."""
-    return _request_error_class()(message)
+class DDTreeRequestError(*_BASES):
+    """A refused request feature: a ValueError, and on 0.32's server an HTTP 400 with
+    the message (its request path turns a plain ValueError into a bare HTTP 500)."""
 
 
 def validate_request(params) -> None:
@@ -114,24 +108,9 @@ def validate_request(params) -> None:
     if getattr(params, "logprob_token_ids", None):
         bad.append("logprob_token_ids")
     if bad:
-        raise request_error("speculative method 'ddtree' does not support "
-                            + ", ".join(bad) + " yet; drop them or serve without DDTree")
-
-
-def ddtree_vllm_config(vllm_config) -> None:
-    """Engine-wide settings DDTree needs (start of VllmConfig.__post_init__)."""
-    sched = vllm_config.scheduler_config
-    if sched.async_scheduling:
-        raise ValueError("method='ddtree' runs with synchronous scheduling for now: drop "
-                         "async_scheduling=True (--async-scheduling)")
-    sched.async_scheduling = False
-    import vllm.envs as envs
-
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
-        raise ValueError("method='ddtree' runs on the V1 model runner: unset "
-                         "VLLM_USE_V2_MODEL_RUNNER")
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise ValueError("method='ddtree' does not support pipeline parallelism yet")
+        raise DDTreeRequestError("speculative method 'ddtree' does not support "
+                                 + ", ".join(bad) + " yet; drop them or serve without "
+                                 "DDTree")
 
 
 def ddtree_metrics_info(stat_logger, vllm_config) -> None:
@@ -148,3 +127,19 @@ def ddtree_metrics_info(stat_logger, vllm_config) -> None:
     for labelvalues in stat_logger.per_engine_labelvalues.values():
         gauge.labels(*labelvalues, METHOD, str(spec.ddtree_budget), str(spec.ddtree_depth),
                      str(spec.draft_model_config.model)).set(1)
+
+
+def ddtree_vllm_config(vllm_config) -> None:
+    """Engine-wide settings DDTree needs (start of VllmConfig.__post_init__)."""
+    sched = vllm_config.scheduler_config
+    if sched.async_scheduling:
+        raise ValueError("method='ddtree' runs with synchronous scheduling for now: drop "
+                         "async_scheduling=True (--async-scheduling)")
+    sched.async_scheduling = False
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError("method='ddtree' runs on the V1 model runner: unset "
+                         "VLLM_USE_V2_MODEL_RUNNER")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("method='ddtree' does not support pipeline parallelism yet")
