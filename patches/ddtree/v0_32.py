@@ -21,6 +21,7 @@ CPU_ATTN = "vllm/v1/attention/backends/cpu_attn.py"
 FLASH = "vllm/v1/attention/backends/flash_attn.py"
 TRITON = "vllm/v1/attention/backends/triton_attn.py"
 INPUT = "vllm/v1/engine/input_processor.py"
+METRICS = "vllm/v1/metrics/loggers.py"
 PKG = "vllm.v1.spec_decode.ddtree"
 
 
@@ -84,7 +85,24 @@ SPEC_EDIT = file_edit(SPEC, [
         code="def use_ddtree(self) -> bool:\n"
              "    return getattr(self, 'ddtree_budget', None) is not None\n"),
         "ddtree_budget"),
+    # DFlash code paths keep seeing method "dflash"; what is printed (the engine's
+    # config log line) says "ddtree"
+    Step("SpeculativeConfig.__repr__", partial(
+        insert_near, qualname="SpeculativeConfig.__repr__",
+        match=lambda c: c.strip() == "method = self.method", replace=True,
+        code="method = 'ddtree' if getattr(self, 'ddtree_budget', None) is not None "
+             "else self.method\n"), "'ddtree' if getattr(self, 'ddtree_budget'"),
 ], "method 'ddtree', its knobs and their validation")
+
+METRICS_EDIT = file_edit(METRICS, [
+    Step("PrometheusStatLogger.__init__", partial(
+        insert_near, qualname="PrometheusStatLogger.__init__",
+        match=lambda c: c.lstrip().startswith("self.spec_decoding_prom = "),
+        code=f"if getattr(vllm_config.speculative_config, 'ddtree_budget', None) is not None:\n"
+             f"    from {PKG}.config import ddtree_metrics_info\n"
+             f"    ddtree_metrics_info(self, vllm_config)\n"),
+        "ddtree_metrics_info(self, vllm_config)"),
+], "/metrics names the method: vllm:spec_decode_config_info{method=\"ddtree\"}")
 
 # Steps shared with the 0.20.x family (same anchors there)
 VLLM_POST_INIT = Step("VllmConfig.__post_init__", partial(

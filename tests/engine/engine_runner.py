@@ -79,7 +79,11 @@ OUT.json::
         "engine_info": {"model_runner": "CPUModelRunner", "async_scheduling": false,
                         "attn_groups": [{"backend": "CPU_ATTN", "layers": [...]}],
                         "drafter": "DFlashProposer", "drafter_model": "...",
-                        "drafter_layer_causal": [false]},   # best effort
+                        "drafter_layer_causal": [false],
+                        "drafter_layer_windows": [null],  # sliding window per layer
+                        "spec": {"repr": "SpeculativeConfig(...)", "method": "dflash",
+                                 "ddtree_budget": null, "ddtree_depth": null}},
+                                   # best effort
         "log": "/path/OUT.json.<group>.log",   # that process's stdout+stderr
         "log_highlights": [...],   # warning / backend / spec-decode lines of that log
         "jobs": {"<job>": {
@@ -97,6 +101,9 @@ OUT.json::
 
 Metrics are deltas of ``llm.get_metrics()`` counters across one run of one job (the
 spec-decode ones exist only for speculative configs).
+
+With $DDTREE_ENGINE_TIMINGS set (the engine tier's conftest sets it), every engine
+process appends one JSON line there: {"what", "wall_s", "detail"}.
 """
 
 from __future__ import annotations
@@ -203,6 +210,18 @@ def _worker_info(worker) -> dict:
         info["drafter_model"] = type(model).__name__ if model is not None else None
         if hasattr(model, "get_draft_attn_causal"):
             info["drafter_layer_causal"] = list(model.get_draft_attn_causal())
+        inner = model
+        while inner is not None and not hasattr(inner, "layers"):
+            inner = getattr(inner, "model", None)
+        if inner is not None:
+            info["drafter_layer_windows"] = [
+                getattr(layer.self_attn.attn, "sliding_window", None)
+                for layer in inner.layers]
+    spec = worker.vllm_config.speculative_config
+    if spec is not None:
+        info["spec"] = {"repr": repr(spec), "method": spec.method,
+                        "ddtree_budget": getattr(spec, "ddtree_budget", None),
+                        "ddtree_depth": getattr(spec, "ddtree_depth", None)}
     sc = worker.vllm_config.scheduler_config
     info["async_scheduling"] = getattr(sc, "async_scheduling", None)
     return info
@@ -371,7 +390,25 @@ def run_group(cfgs: list[dict], out_path: str, tag: str,
                    else f"process died (exit code {rc}) while running it")
             results[c["name"]] = {"ok": False, "error": why, "traceback": None,
                                   "jobs": {}, **common}
+    _record_timing(f"{os.path.basename(out_path)} {tag}", wall, results)
     return results, common
+
+
+def _record_timing(tag: str, wall: float, results: dict) -> None:
+    """One JSON line per engine process to $DDTREE_ENGINE_TIMINGS (the engine tier's
+    timings summary reads it, whoever started this runner)."""
+    path = os.environ.get("DDTREE_ENGINE_TIMINGS")
+    if not path:
+        return
+    parts = []
+    for name, r in results.items():
+        gen = sum(run["generate_s"] for j in r.get("jobs", {}).values()
+                  for run in j["runs"])
+        parts.append(f"{name}: start {r.get('startup_s') or 0.0:.1f} s, generate "
+                     f"{gen:.1f} s{'' if r['ok'] else ', FAILED'}")
+    line = {"what": f"engine_runner {tag}", "wall_s": wall, "detail": "; ".join(parts)}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def main(argv: list[str]) -> int:

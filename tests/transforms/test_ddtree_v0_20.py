@@ -45,7 +45,7 @@ def test_hooks_on_real_files(pristine, version):
     site = pristine("vllm", version)
     srcs = patched_sources(site, version)
     assert set(srcs) == {v0_20.SPEC, v0_20.VLLM, v0_20.RUNNER, v0_20.INPUT, v0_20.FLASH,
-                         v0_20.FLEX}
+                         v0_20.FLEX, v0_32.METRICS}
     runner = srcs[v0_20.RUNNER]
     init = function_code(runner, "GPUModelRunner.__init__")
     assert "DDTreeProposer(self.vllm_config, self.device, self)" in init

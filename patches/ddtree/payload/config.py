@@ -64,7 +64,7 @@ def ddtree_post_init(spec) -> None:
                          "dflash_config); got architectures "
                          f"{getattr(hf, 'architectures', None)}")
     if spec.ddtree_depth is None:
-        block = getattr(hf, "block_size", None)
+        block = drafter_block_size(hf)
         spec.ddtree_depth = int(block) - 1 if block and int(block) > 1 else 15
     if spec.ddtree_depth < 1:
         raise ValueError(f"ddtree_depth must be >= 1, got {spec.ddtree_depth}")
@@ -83,6 +83,28 @@ def ddtree_post_init(spec) -> None:
     if getattr(spec, "disable_padded_drafter_batch", False):
         raise ValueError("method='ddtree' needs the padded drafter batch "
                          "(disable_padded_drafter_batch=False)")
+
+
+def drafter_block_size(hf) -> int | None:
+    """The drafter's trained block size: top-level ``block_size`` (z-lab's first
+    layout) or ``dflash_config.block_size`` (their later, nested layout)."""
+    block = getattr(hf, "block_size", None)
+    if block is None and isinstance(getattr(hf, "dflash_config", None), dict):
+        block = hf.dflash_config.get("block_size")
+    return block
+
+
+try:  # 0.2x+: the OpenAI server answers a VLLMClientError with HTTP 400 + its message
+    from vllm.exceptions import VLLMClientError as _ClientError
+except ImportError:  # 0.20.x (or outside vLLM): a ValueError already means HTTP 400
+    _ClientError = ValueError
+_BASES = (_ClientError,) if issubclass(_ClientError, ValueError) else \
+    (_ClientError, ValueError)
+
+
+class DDTreeRequestError(*_BASES):
+    """A refused request feature: a ValueError, and on 0.32's server an HTTP 400 with
+    the message (its request path turns a plain ValueError into a bare HTTP 500)."""
 
 
 def validate_request(params) -> None:
@@ -111,8 +133,25 @@ def validate_request(params) -> None:
     if getattr(params, "logprob_token_ids", None):
         bad.append("logprob_token_ids")
     if bad:
-        raise ValueError("speculative method 'ddtree' does not support "
-                         + ", ".join(bad) + " yet; drop them or serve without DDTree")
+        raise DDTreeRequestError("speculative method 'ddtree' does not support "
+                                 + ", ".join(bad) + " yet; drop them or serve without "
+                                 "DDTree")
+
+
+def ddtree_metrics_info(stat_logger, vllm_config) -> None:
+    """/metrics names the method (the spec-decode counters carry no method label):
+    vllm:spec_decode_config_info{method="ddtree", num_speculative_tokens=B,
+    ddtree_depth=L, ...} 1, set up in PrometheusStatLogger.__init__."""
+    spec = vllm_config.speculative_config
+    gauge = stat_logger._gauge_cls(
+        name="vllm:spec_decode_config_info",
+        documentation="Speculative decoding method and its settings.",
+        multiprocess_mode="mostrecent",
+        labelnames=["model_name", "engine", "method", "num_speculative_tokens",
+                    "ddtree_depth", "draft_model"])
+    for labelvalues in stat_logger.per_engine_labelvalues.values():
+        gauge.labels(*labelvalues, METHOD, str(spec.ddtree_budget), str(spec.ddtree_depth),
+                     str(spec.draft_model_config.model)).set(1)
 
 
 def ddtree_vllm_config(vllm_config) -> None:
