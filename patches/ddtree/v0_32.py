@@ -51,6 +51,12 @@ ddtree_depth: int | None = None
 ddtree_synthetic: str | None = None
 """DDTree testing aid: JSON file with a synthetic drafter profile (see
 vllm/v1/spec_decode/ddtree/synthetic.py)."""
+ddtree_budget_control: str | None = None
+"""DDTree: "off" (default: budget B every step) or "auto" (per step the budget, or the
+drafter's top-1 chain, that maximises expected tokens/s; see
+vllm/v1/spec_decode/ddtree/core/budget.py)."""
+ddtree_budgets: list[int] | None = None
+"""DDTree with ddtree_budget_control="auto": the budgets to choose from (<= B)."""
 '''
 
 

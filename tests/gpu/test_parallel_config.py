@@ -61,3 +61,40 @@ def test_engine_config_hook_refuses(monkeypatch):
         tensor_parallel_size=2, pipeline_parallel_size=1)))
     with pytest.raises(ValueError, match="data parallelism"):
         cfg.ddtree_vllm_config(vllm_config(_par(data_parallel_size=4)))
+
+
+@pytest.mark.parametrize("mode, budgets, error", [
+    (None, None, None), ("off", None, None), ("auto", None, None), ("auto", [4, 16], None),
+    ("on", None, "must be 'off' or 'auto'"), ("off", [4], "needs ddtree_budget_control"),
+    ("auto", [0, 4], "in 1..16"), ("auto", [32], "in 1..16"), ("auto", [], "in 1..16"),
+])
+def test_budget_control_knobs(mode, budgets, error):
+    spec = SimpleNamespace(ddtree_budget=16, ddtree_budget_control=mode,
+                           ddtree_budgets=budgets)
+    check = payload_module("config").check_budget_control
+    if error is None:
+        check(spec)
+    else:
+        with pytest.raises(ValueError, match=error):
+            check(spec)
+
+
+def test_budget_control_under_tp_needs_one_cost_table(monkeypatch):
+    """Each rank would otherwise take the table of its own GPU's name: under TP the
+    controller runs only with one table for every rank (VLLM_DDTREE_COST_TABLE)."""
+    envs = types.ModuleType("vllm.envs")
+    envs.VLLM_USE_V2_MODEL_RUNNER = False
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.envs", envs)
+    cfg = payload_module("config")
+    vc = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=None),
+                         parallel_config=_par(tensor_parallel_size=2), model_config=None,
+                         speculative_config=SimpleNamespace(ddtree_budget_control="auto"))
+    monkeypatch.delenv("VLLM_DDTREE_COST_TABLE", raising=False)
+    with pytest.raises(ValueError, match="VLLM_DDTREE_COST_TABLE"):
+        cfg.ddtree_vllm_config(vc)
+    monkeypatch.setenv("VLLM_DDTREE_COST_TABLE", "/tmp/table.json")
+    cfg.ddtree_vllm_config(vc)
+    vc.parallel_config = _par()
+    monkeypatch.delenv("VLLM_DDTREE_COST_TABLE")
+    cfg.ddtree_vllm_config(vc)  # one rank: its own table

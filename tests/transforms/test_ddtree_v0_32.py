@@ -61,7 +61,8 @@ def test_method_literal_and_fields(pristine):
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef)
                and n.name == "SpeculativeConfig")
     fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
-    assert {"ddtree_budget", "ddtree_depth", "ddtree_synthetic"} <= set(fields)
+    assert {"ddtree_budget", "ddtree_depth", "ddtree_synthetic", "ddtree_budget_control",
+            "ddtree_budgets"} <= set(fields)
     assert fields.index("ddtree_budget") == fields.index("method") + 1
 
 

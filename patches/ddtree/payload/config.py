@@ -36,7 +36,8 @@ def ddtree_pre_init(spec) -> None:
     Runs first in SpeculativeConfig.__post_init__.  Every DFlash code path keeps
     seeing method "dflash"; ``ddtree_budget`` (B) switches the tree on.
     """
-    knobs = {k: getattr(spec, k) for k in ("ddtree_depth", "ddtree_synthetic")
+    knobs = {k: getattr(spec, k) for k in ("ddtree_depth", "ddtree_synthetic",
+                                           "ddtree_budget_control", "ddtree_budgets")
              if getattr(spec, k, None) is not None}
     if spec.method != METHOD:
         if knobs or getattr(spec, "ddtree_budget", None) is not None:
@@ -83,6 +84,23 @@ def ddtree_post_init(spec) -> None:
     if getattr(spec, "disable_padded_drafter_batch", False):
         raise ValueError("method='ddtree' needs the padded drafter batch "
                          "(disable_padded_drafter_batch=False)")
+    check_budget_control(spec)
+
+
+def check_budget_control(spec) -> None:
+    """ddtree_budget_control is 'off' or 'auto'; ddtree_budgets lie in 1..B."""
+    mode = getattr(spec, "ddtree_budget_control", None) or "off"
+    if mode not in ("off", "auto"):
+        raise ValueError(f"ddtree_budget_control must be 'off' or 'auto', got {mode!r}")
+    budgets = getattr(spec, "ddtree_budgets", None)
+    if budgets is None:
+        return
+    if mode != "auto":
+        raise ValueError("ddtree_budgets needs ddtree_budget_control='auto'")
+    bad = [b for b in budgets if not isinstance(b, int) or not 1 <= b <= spec.ddtree_budget]
+    if not budgets or bad:
+        raise ValueError(f"ddtree_budgets must be budgets in 1..{spec.ddtree_budget} "
+                         f"(num_speculative_tokens); got {list(budgets)}")
 
 
 def drafter_block_size(hf) -> int | None:
@@ -169,6 +187,13 @@ def ddtree_vllm_config(vllm_config) -> None:
                          "needs CUDA)")
     refuse_parallelism(vllm_config.parallel_config)
     refuse_recurrent_target(vllm_config)
+    spec = getattr(vllm_config, "speculative_config", None)
+    if getattr(spec, "ddtree_budget_control", None) == "auto" and \
+            vllm_config.parallel_config.tensor_parallel_size > 1 and \
+            not os.environ.get("VLLM_DDTREE_COST_TABLE"):
+        # each rank would pick its table by its own GPU name: ranks must choose alike
+        raise ValueError("ddtree_budget_control='auto' with tensor parallelism needs one "
+                         "step-cost table for every rank: set VLLM_DDTREE_COST_TABLE")
 
 
 def refuse_parallelism(par) -> None:
