@@ -272,7 +272,7 @@ def test_backend_entry_point_routes_to_split(monkeypatch):
                         lambda *a, **k: calls.append(k["prefix"]) or real(*a, **k))
 
     def run(split, k=key, v=value):
-        monkeypatch.setattr(ca, "SPLIT", split)
+        monkeypatch.setattr(ca, "SPLIT", "1" if split else "0")
         md = SimpleNamespace(block_table=case["block_table"], seq_lens=case["seq_lens"],
                              query_start_loc=case["query_start_loc"], max_query_len=mq,
                              max_seq_len=int(case["seq_lens"].max()),
@@ -289,3 +289,23 @@ def test_backend_entry_point_routes_to_split(monkeypatch):
     assert (split - single).abs().max().item() <= TOL[torch.float32]
     shared, _ = run(True, None, None)
     assert calls == ["triton"] and torch.equal(shared, single)
+
+
+def test_split_auto_decides_by_the_batch_shape(monkeypatch):
+    """'auto' (the default): batches of >= SPLIT_MIN_REQS requests split, smaller ones
+    keep the single kernel; '0' / '1' force it.  Only the launch shape decides (CUDA
+    graphs replay what they captured)."""
+    from types import SimpleNamespace
+
+    ca = payload_module("cuda_attention")
+    assert ca.SPLIT == "auto" or "VLLM_DDTREE_SPLIT_ATTN" in os.environ
+
+    def md(reqs):
+        return SimpleNamespace(query_start_loc=torch.zeros(reqs + 1, dtype=torch.int32))
+
+    monkeypatch.setattr(ca, "SPLIT", "auto")
+    assert [ca.use_split(md(n)) for n in (1, 3, 4, 16)] == [False, False, True, True]
+    monkeypatch.setattr(ca, "SPLIT", "0")
+    assert not ca.use_split(md(16))
+    monkeypatch.setattr(ca, "SPLIT", "1")
+    assert ca.use_split(md(1))
