@@ -43,3 +43,29 @@ def load_function(source: str, qualname: str, glb: dict | None = None):
     ns = dict(glb or {})
     exec(compile(mod, "<vllm>", "exec"), ns)
     return ns[parts[-1]]
+
+
+def ddtree_cli(*args, state: Path, env: dict | None = None):
+    """ddtree-patch in a subprocess (this interpreter) with its own state folder."""
+    import os
+    import subprocess
+    import sys
+
+    e = dict(os.environ, DDTREE_PATCH_STATE_DIR=str(state), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "ddtree_patcher.cli", *map(str, args)],
+                          capture_output=True, text=True, env=e)
+
+
+def run_engine_spec(python: str, spec: dict, work: Path, tag: str) -> dict:
+    """tests/engine/engine_runner.py with ``python`` (e.g. a patched env copy) on
+    ``spec``; returns its "configs" (each config's ok/error left to the caller)."""
+    import json
+    import subprocess
+
+    runner = Path(__file__).resolve().parent / "engine" / "engine_runner.py"
+    spec_file, out_file = work / f"{tag}.spec.json", work / f"{tag}.out.json"
+    spec_file.write_text(json.dumps(spec, indent=1))
+    p = subprocess.run([python, str(runner), str(spec_file), str(out_file)],
+                       capture_output=True, text=True)
+    assert out_file.is_file(), p.stderr[-4000:]
+    return json.loads(out_file.read_text())["configs"]

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import snapshot
+from helpers import ddtree_cli, run_engine_spec, snapshot
 
 pytestmark = pytest.mark.engine
 
@@ -28,18 +27,11 @@ SAMPLED_PROMPT = [5, 9, 3, 7]
 
 
 def _cli(*args, state: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DDTREE_PATCH_STATE_DIR=str(state))
-    return subprocess.run([sys.executable, "-m", "ddtree_patcher.cli", *map(str, args)],
-                          capture_output=True, text=True, env=env)
+    return ddtree_cli(*args, state=state)
 
 
 def _run(python: str, spec: dict, work: Path, tag: str) -> dict:
-    spec_file, out_file = work / f"{tag}.spec.json", work / f"{tag}.out.json"
-    spec_file.write_text(json.dumps(spec, indent=1))
-    p = subprocess.run([python, str(HERE / "engine_runner.py"), str(spec_file),
-                        str(out_file)], capture_output=True, text=True)
-    assert out_file.is_file(), p.stderr[-4000:]
-    out = json.loads(out_file.read_text())["configs"]
+    out = run_engine_spec(python, spec, work, tag)
     for name, r in out.items():
         assert r["ok"], f"{name}: {r['error']}\n{r.get('traceback')}"
     return out

@@ -25,10 +25,11 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import ddtree_cli, run_engine_spec
 
 pytestmark = pytest.mark.engine
 
@@ -42,18 +43,10 @@ BUDGETS = ("b4", "b16", "b8_mixed", "b24_perfect")
 
 
 def _cli(*args, state: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DDTREE_PATCH_STATE_DIR=str(state))
-    return subprocess.run([sys.executable, "-m", "ddtree_patcher.cli", *map(str, args)],
-                          capture_output=True, text=True, env=env)
+    return ddtree_cli(*args, state=state)
 
 
-def _run(python: str, spec: dict, work: Path, tag: str) -> dict:
-    spec_file, out_file = work / f"{tag}.spec.json", work / f"{tag}.out.json"
-    spec_file.write_text(json.dumps(spec, indent=1))
-    p = subprocess.run([python, str(HERE / "engine_runner.py"), str(spec_file),
-                        str(out_file)], capture_output=True, text=True)
-    assert out_file.is_file(), p.stderr[-4000:]
-    return json.loads(out_file.read_text())["configs"]
+_run = run_engine_spec
 
 
 def _ok(out: dict) -> dict:

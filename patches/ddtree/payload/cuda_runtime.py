@@ -260,15 +260,8 @@ class CudaDDTreeRuntime(DDTreeRuntime):
             return self._commit_torch(step, walk, aux_hidden_states)
         pack = step.pack
         n = pack.shape[0] // 3
-        if walk is None:  # positions back only
-            rows = torch.zeros(n, 2, dtype=torch.int64, device=pack.device)
-            nacc = rows[:, 0]
-        else:
-            rows, nacc = walk.accepted_rows, walk.num_accepted
-        w = rows.shape[1] - 1
-        src = self._src[: n * w].view(n, w)
-        dst = self._dst[: n * w].view(n, w)
-        start, neff = self._start[:n], self._neff[:n]
+        rows, nacc, src, dst, start, neff = cuda_step.commit_views(
+            walk, n, pack.device, self._src, self._dst, self._start, self._neff)
         cuda_step.commit(pack, n, rows, nacc, runner.positions, runner.input_ids.gpu, src,
                          dst, start, neff)
         if walk is None:

@@ -155,3 +155,16 @@ def move_rows(hs, src, dst):
             ptrs = part + [part[0]] * (8 - len(part))
             _move_rows_kernel[(n, triton.cdiv(d, bd), len(part))](
                 *ptrs, st[0], src, dst, d, L=w, BD=bd, num_warps=4)
+
+
+def commit_views(walk, n: int, device, src, dst, start, neff):
+    """commit()'s walk inputs and output views: (rows, num_accepted) of the walk (an
+    empty path when no walk ran: positions go back only) and the first n rows of a
+    runtime's src / dst / start / neff buffers."""
+    if walk is None:
+        rows = torch.zeros(n, 2, dtype=torch.int64, device=device)
+        nacc = rows[:, 0]
+    else:
+        rows, nacc = walk.accepted_rows, walk.num_accepted
+    w = rows.shape[1] - 1
+    return rows, nacc, src[: n * w].view(n, w), dst[: n * w].view(n, w), start[:n], neff[:n]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import v2_step
+from . import cuda_step, v2_step
 from .core import DDTree, compact_kv
 from .cuda_attention import TreeState
 from .runtime import Stats
@@ -205,15 +205,8 @@ class V2DDTree:
             raise RuntimeError("DDTree V2: the drafter got another batch than the one "
                                "verified")
         n, dev = step.n, step.pack.device
-        if walk is None:  # positions back only
-            rows = torch.zeros(n, 2, dtype=torch.int64, device=dev)
-            nacc = rows[:, 0]
-        else:
-            rows, nacc = walk.accepted_rows, walk.num_accepted
-        w = rows.shape[1] - 1
-        src = self._src[: n * w].view(n, w)
-        dst = self._dst[: n * w].view(n, w)
-        start, neff = self._start[:n], self._neff[:n]
+        rows, nacc, src, dst, start, neff = cuda_step.commit_views(
+            walk, n, dev, self._src, self._dst, self._start, self._neff)
         v2_step.commit(step.pack, n, rows, nacc, input_batch.positions, input_batch.input_ids,
                        src, dst, start, neff, self.fused)
         if walk is None:
