@@ -33,6 +33,7 @@ import os
 
 import torch
 
+from .attn_tiles import head_view
 from .core._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
 
 
@@ -73,6 +74,7 @@ class TreeState:
 
 
 if HAS_TRITON:
+    from .attn_tiles import merge_state, online_update, query_rows, tile_scores
 
     @triton.jit
     def _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi, row_ok, d, dm, ctx, kend,
@@ -86,11 +88,7 @@ if HAS_TRITON:
         kv_m = km[:, None] & dm[None, :]
         k = tl.load(K + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + d[None, :],
                     mask=kv_m, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
+        s = tile_scores(q, k, scale, IEEE)
         j = kk - ctx
         new = (j >= 0) & km
         tm = tl.load(mask_row + qi[:, None] * s_mi + j[None, :],
@@ -99,18 +97,9 @@ if HAS_TRITON:
         vis = tl.where(has, tm != 0, causal) | (j < 0)[None, :]
         vis = vis & km[None, :] & row_ok[:, None]
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + d[None, :],
                     mask=kv_m, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc
+        return online_update(s, m_i, l_i, acc, v, IEEE)
 
     @triton.jit
     def _tree_attn_kernel(Q, K, V, O, BT, SEQ, QSL, HAS, MASK, PM, PL, PACC,
@@ -132,15 +121,9 @@ if HAS_TRITON:
             return
         seq_len = tl.load(SEQ + r)
         ctx = seq_len - q_len
+        qi, h, row_ok, d, dm, tok, q = query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh,
+                                                   G, BLOCK_Q, M, D, DP)
         m = tl.arange(0, M)
-        qi = qb * BLOCK_Q + m // G
-        h = kvh * G + m % G
-        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
-        d = tl.arange(0, DP)
-        dm = d < D
-        tok = (q0 + qi).to(tl.int64)
-        q = tl.load(Q + tok[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
-                    mask=row_ok[:, None] & dm[None, :], other=0.0)
         has = tl.load(HAS + r) != 0
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
@@ -209,21 +192,11 @@ if HAS_TRITON:
             ms = tl.load(PM + (base + sp) * M + m)
             ls = tl.load(PL + (base + sp) * M + m)
             accs = tl.load(PACC + ((base + sp) * M + m)[:, None] * DP + d[None, :])
-            m_new = tl.maximum(m_i, ms)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a = tl.exp(m_i - m_safe)
-            b = tl.exp(ms - m_safe)
-            l_i = l_i * a + ls * b
-            acc = acc * a[:, None] + accs * b[:, None]
-            m_i = m_new
+            m_i, l_i, acc = merge_state(m_i, l_i, acc, ms, ls, accs)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         tl.store(O + tok[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
-
-
-def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.dim() == 3 else x.view(x.shape[0], heads, -1)
 
 
 def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_start_loc,
@@ -240,8 +213,8 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
     num_reqs = query_start_loc.shape[0] - 1
     d = key_cache.shape[-1]
     hq = query.shape[1] if query.dim() == 3 else query.shape[1] // d
-    q = _heads(query, hq)
-    o = _heads(output, hq)
+    q = head_view(query, hq)
+    o = head_view(output, hq)
     g = hq // num_kv_heads
     cfg = pick_config(num_reqs * max(int(max_query_len), 1))
     block_q = block_q or cfg.get("block_q") or max(1, 64 // g)
@@ -372,7 +345,7 @@ def reference_tree_attention(query, key_cache, value_cache, block_table, seq_len
     """torch oracle (fp32 math) with the kernel's semantics; returns [T, Hq, D]."""
     d = key_cache.shape[-1]
     hq = query.shape[1] if query.dim() == 3 else query.shape[1] // d
-    q_all = _heads(query, hq)
+    q_all = head_view(query, hq)
     out = torch.zeros(q_all.shape, dtype=torch.float32, device=query.device)
     bs = key_cache.shape[1]
     qsl = query_start_loc.tolist()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from .attn_tiles import head_view
 from .core._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
 
 SPLIT_MIN_PROGRAMS = 132  # H100/H200 SM count (as cuda_attention)
@@ -48,10 +49,6 @@ def context_lens(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch
     n = query_start_loc.shape[0] - 1
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     return (seq_lens[:n] - q_len).to(torch.int32)
-
-
-def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.dim() == 3 else x.view(x.shape[0], heads, -1)
 
 
 # ------------------------------------------------------------------------ prefix
@@ -104,54 +101,7 @@ def prefix_torch(query, key_cache, value_cache, out, block_table, ctx_lens, quer
 # ------------------------------------------------------------------------ Triton
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _update(s, m_i, l_i, acc, v, IEEE: tl.constexpr):
-        """Online-softmax step with scores s [M, N] (masked = -inf) and values v [N, D]."""
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _merge(m_i, l_i, acc, pm, pl, pa):
-        """Fold a partial softmax state (max pm, sum pl, unnormalised acc pa) in."""
-        m_new = tl.maximum(m_i, pm)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp(m_i - m_safe)
-        b = tl.exp(pm - m_safe)
-        return m_new, l_i * a + pl * b, acc * a[:, None] + pa * b[:, None]
-
-    @triton.jit
-    def _scores(q, k, scale, IEEE: tl.constexpr):
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        return s * scale
-
-    @triton.jit
-    def _query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh, G: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-        """A program's M rows: BLOCK_Q query tokens x the G query heads of KV head kvh
-        (GQA packed like unified_attention): token index qi, head h, validity, the
-        head-dim lanes and the query tile."""
-        m = tl.arange(0, M)
-        qi = qb * BLOCK_Q + m // G
-        h = kvh * G + m % G
-        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
-        d = tl.arange(0, DP)
-        dm = d < D
-        tok = (q0 + qi).to(tl.int64)
-        q = tl.load(Q + tok[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
-                    mask=row_ok[:, None] & dm[None, :], other=0.0)
-        return qi, h, row_ok, d, dm, tok, q
+    from .attn_tiles import merge_state, online_update, query_rows, tile_scores
 
     @triton.jit
     def _prefix_tile(start, m_i, l_i, acc, q, KC, VC, bt_row, kend, d, dm, s_kb, s_kt, s_kh,
@@ -164,10 +114,10 @@ if HAS_TRITON:
         kvm = km[:, None] & dm[None, :]
         k = tl.load(KC + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + d[None, :],
                     mask=kvm, other=0.0)
-        s = tl.where(km[None, :], _scores(q, k, scale, IEEE), float("-inf"))
+        s = tl.where(km[None, :], tile_scores(q, k, scale, IEEE), float("-inf"))
         v = tl.load(VC + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + d[None, :],
                     mask=kvm, other=0.0)
-        return _update(s, m_i, l_i, acc, v, IEEE)
+        return online_update(s, m_i, l_i, acc, v, IEEE)
 
     @triton.jit
     def _prefix_kernel(Q, KC, VC, BT, CTX, QSL, O, PM, PL, PA,
@@ -189,7 +139,7 @@ if HAS_TRITON:
         if qb * BLOCK_Q >= q_len:
             return
         ctx = tl.load(CTX + r)
-        qi, h, row_ok, d, dm, tok, q = _query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh,
+        qi, h, row_ok, d, dm, tok, q = query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh,
                                                    G, BLOCK_Q, M, D, DP)
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
@@ -234,14 +184,14 @@ if HAS_TRITON:
         kt = (q0 + j).to(tl.int64)
         kvm = jm[:, None] & dm[None, :]
         k = tl.load(K + kt[:, None] * s_kt + kvh * s_kh + d[None, :], mask=kvm, other=0.0)
-        s = _scores(q, k, scale, IEEE)
+        s = tile_scores(q, k, scale, IEEE)
         tm = tl.load(mask_row + qi[:, None] * s_mi + j[None, :],
                      mask=row_ok[:, None] & jm[None, :] & has, other=0)
         vis = tl.where(has, tm != 0, j[None, :] <= qi[:, None])
         vis = vis & jm[None, :] & row_ok[:, None]
         s = tl.where(vis, s, float("-inf"))
         v = tl.load(V + kt[:, None] * s_vt + kvh * s_vh + d[None, :], mask=kvm, other=0.0)
-        return _update(s, m_i, l_i, acc, v, IEEE)
+        return online_update(s, m_i, l_i, acc, v, IEEE)
 
     @triton.jit
     def _tree_kernel(Q, K, V, O, QSL, HAS, MASK, PM, PL, PA,
@@ -262,7 +212,7 @@ if HAS_TRITON:
         q_len = tl.load(QSL + r + 1) - q0
         if qb * BLOCK_Q >= q_len:
             return
-        qi, h, row_ok, d, dm, tok, q = _query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh,
+        qi, h, row_ok, d, dm, tok, q = query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh,
                                                    G, BLOCK_Q, M, D, DP)
         has = tl.load(HAS + r) != 0
         mask_row = MASK + r.to(tl.int64) * s_mr
@@ -290,7 +240,7 @@ if HAS_TRITON:
             pm = tl.where(pm == float("inf"), float("-inf"), pm)  # FA2: rows without keys
             pa = tl.load(PA + tok[:, None] * s_at + h[:, None] * s_ah + d[None, :], mask=om,
                          other=0.0).to(tl.float32)
-            m_i, l_i, acc = _merge(m_i, l_i, acc, pm, tl.where(pm == float("-inf"), 0.0, 1.0),
+            m_i, l_i, acc = merge_state(m_i, l_i, acc, pm, tl.where(pm == float("-inf"), 0.0, 1.0),
                                    tl.where((pm == float("-inf"))[:, None], 0.0, pa))
         else:
             for sp in tl.static_range(S):
@@ -299,7 +249,7 @@ if HAS_TRITON:
                 pl = tl.load(PL + sp * s_ms + h * s_mh + tok * s_mt, mask=row_ok, other=0.0)
                 pa = tl.load(PA + sp * s_as + tok[:, None] * s_at + h[:, None] * s_ah + d[None, :],
                              mask=om, other=0.0)
-                m_i, l_i, acc = _merge(m_i, l_i, acc, pm, pl, pa)
+                m_i, l_i, acc = merge_state(m_i, l_i, acc, pm, pl, pa)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         tl.store(O + tok[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
                  (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=om)
@@ -405,8 +355,8 @@ def split_tree_attention(query, key, value, key_cache, value_cache, output, bloc
     if softcap:
         raise NotImplementedError("split tree attention: softcap is not supported")
     hq = query.shape[1] if query.dim() == 3 else query.shape[1] // key_cache.shape[-1]
-    q = _heads(query, hq)
-    o = _heads(output, hq)
+    q = head_view(query, hq)
+    o = head_view(output, hq)
     if hq % num_kv_heads:
         raise ValueError(f"{hq} query heads are not a multiple of {num_kv_heads} KV heads")
     ctx = context_lens(seq_lens, query_start_loc) if ctx_lens is None else ctx_lens
