@@ -412,10 +412,9 @@ def build_tree(
     if v > (1 << TOK_BITS):
         raise ValueError("vocab larger than 2**20 is not supported")
     k = min(max_budget, v)
-    # NaN / +-inf from a drafter mean "no usable probability": -inf, so such a token
-    # never takes a top-K slot and never enters a tree
-    ninf = float("-inf")
-    draft = torch.nan_to_num(draft, nan=ninf, posinf=ninf, neginf=ninf)
+    # NaN / +-inf from a drafter mean "no usable probability": vocab_topk and its lse
+    # treat them as -inf (no extra pass over the logits), so such a token never takes a
+    # top-K slot and never enters a tree
     vals, idx, lse = vocab_topk(draft, k, with_lse=not logprobs, impl=topk)
     return build_tree_from_topk(vals, idx, budget, max_budget, lse, backend, with_mask)
 

@@ -3,7 +3,8 @@ log-sum-exp, on the device, no host sync (CUDA-graph capturable).
 
 Which K (the rule every path follows): the K largest by (value descending, token id
 ascending), i.e. on an exact tie at the K-th place the lower ids enter.  Values are
-compared as float32 (bf16/fp16 convert exactly), NaN counts as -inf and -0.0 as
+compared as float32 (bf16/fp16 convert exactly), NaN and +inf count as -inf (in the
+log-sum-exp too: a non-finite entry is an excluded token) and -0.0 as
 +0.0.  Keys make the rule a plain integer order:
 
     key = (ordered float bits << TOK_BITS) | (2**TOK_BITS - 1 - id)
@@ -41,7 +42,7 @@ FUSED_MAX = 16384  # largest sort of the select kernel; beyond it 'auto' uses to
 def order_keys(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """[..., V] values (token ids: the last index, or ``ids``) -> int64 keys."""
     f = x.float()
-    f = torch.where(torch.isnan(f), float("-inf"), f)
+    f = torch.where(torch.isnan(f) | torch.isposinf(f), float("-inf"), f)
     f = torch.where(f == 0, 0.0, f)  # -0.0 -> +0.0
     b = f.view(torch.int32)
     o = (b ^ ((b >> 31) & 0x7FFFFFFF)).to(torch.int64)
@@ -74,7 +75,8 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
         tot = (sx * torch.exp(m - safe)).sum(-1)
         out = safe.squeeze(-1) + torch.log(tot)
         return out.reshape(x.shape[:-1])
-    return torch.logsumexp(x.float(), dim=-1)
+    f = x.float()
+    return torch.logsumexp(torch.where(torch.isfinite(f), f, float("-inf")), dim=-1)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +172,7 @@ if HAS_TRITON:
     @triton.jit
     def _okey(x, ids):
         """float32 values + token ids -> int64 keys (order_keys)."""
-        x = tl.where(x != x, float("-inf"), x)
+        x = tl.where((x != x) | (x == float("inf")), float("-inf"), x)
         x = tl.where(x == 0.0, 0.0, x)
         b = x.to(tl.int32, bitcast=True)
         o = b ^ ((b >> 31) & 0x7FFFFFFF)
@@ -183,6 +185,7 @@ if HAS_TRITON:
         c = tl.program_id(1)
         v = c * CH + tl.arange(0, CH)
         x = tl.load(x_ptr + row * stride_row + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        x = tl.where((x != x) | (x == float("inf")), float("-inf"), x)  # non-finite: excluded
         mx = tl.max(x, 0)
         safe = tl.where(mx > float("-inf"), mx, 0.0)
         tl.store(m_ptr + row * NCH + c, mx)

@@ -189,7 +189,8 @@ def test_cuda_graph_capture():
 
 
 def _vocab_cases(g):
-    """(x, k): random / exact ties / -inf / NaN / signed zeros, one and several chunks."""
+    """(x, k): random / exact ties / -inf / NaN / +inf / signed zeros, one and several
+    chunks."""
     out = []
     for r, v, k in [(3, 7, 4), (2, 40, 16), (3, 200, 33), (1, 5000, 64), (2, 64, 64), (1, 1, 1)]:
         out.append((torch.randn(r, v, generator=g) * 3, k))
@@ -201,6 +202,7 @@ def _vocab_cases(g):
     x[1, ::7] = float("nan")
     x[2, :40] = 0.0
     x[2, 40:80] = -0.0
+    x[3, ::5] = float("inf")  # +inf is excluded like NaN (lse included)
     out.append((x, 32))
     return out
 
@@ -210,10 +212,11 @@ def test_order_keys_roundtrip():
     key = order_keys(x)
     vals, ids = decode_keys(key)
     assert ids.tolist() == [list(range(9))]
-    exp = torch.where(torch.isnan(x), float("-inf"), x)
+    exp = torch.where(torch.isnan(x) | torch.isposinf(x), float("-inf"), x)
     assert torch.equal(vals, exp.abs() * torch.sign(exp).where(exp != 0, torch.ones_like(exp)))
     order = torch.argsort(key[0], descending=True).tolist()
-    assert order == [5, 0, 6, 2, 3, 7, 1, 4, 8]  # +0 and -0 tie: lower id first; NaN = -inf
+    # +0 and -0 tie: lower id first; NaN and +inf = -inf (excluded tokens), ties by id
+    assert order == [0, 6, 2, 3, 7, 1, 4, 5, 8]
 
 
 @needs_triton
