@@ -2,7 +2,8 @@
 # The whole H200 session in one command (after install_remote.sh put the patched vLLM
 # 0.20.2 bundle in /tmp/vb).  Every stage has its own timeout and writes under $OUT,
 # so a stage that fails or runs out of time leaves the others' results.
-#   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests sweep eq kernel bench repeat tp",
+#   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests sweep eq v2eq splitbench core gdn
+#                                         kernel bench v2bench repeat tp",
 #                                         BENCH_CONFIGS, T_TESTS, T_EQ, T_KERNEL, T_BENCH,
 #                                         GPU_PATCH: the overlay of patched files, made by
 #                                         bench/gpu/make_overlay.py; default .gpu-patch)
@@ -54,15 +55,18 @@ for s in $STAGES; do
       [ -s "$OUT/attn_tuning.json" ] && cp "$OUT/attn_tuning.json" "$TUNING" ;;
     eq)
       stamp equality
-      timeout "$(left ${T_EQ:-170})" python3 "$HERE/equality.py" "$OUT" > "$OUT/equality_log.txt" 2>&1
+      VLLM_USE_V2_MODEL_RUNNER=0 timeout "$(left ${T_EQ:-170})" python3 "$HERE/equality.py" "$OUT" \
+        > "$OUT/equality_log.txt" 2>&1  # the V1 runner (v2eq: the V2 runner)
       echo "rc=$?"; grep -E "SUMMARY|walk|eager tree|FAILED|Error" "$OUT/equality_log.txt" | cut -c1-400 | tail -20 ;;
     v2eq)  # the V2 runner: equality_v2.py, one configuration per row
       for row in ${V2EQ_ROWS:-TRITON_ATTN:graphs FLASH_ATTN:graphs}; do
         attn=${row%%:*}; g=""; [ "${row#*:}" = graphs ] && g="--graphs"
         stamp "v2eq $row"
-        timeout "$(left ${T_V2EQ:-240})" python3 "$HERE/equality_v2.py" "$OUT/v2_${attn}_${row#*:}" \
-          --attn "$attn" $g > "$OUT/v2eq_${attn}_${row#*:}.txt" 2>&1
-        echo "rc=$?"; grep -E "^\||RESULT|Traceback|Error" "$OUT/v2eq_${attn}_${row#*:}.txt" | cut -c1-300 | tail -14
+        VLLM_USE_V2_MODEL_RUNNER=1 VLLM_DDTREE_V2=1 timeout "$(left ${T_V2EQ:-240})" \
+          python3 "$HERE/equality_v2.py" "$OUT/v2_${attn}_${row#*:}" \
+          --attn "$attn" $g ${V2EQ_ARGS:-} > "$OUT/v2eq_${attn}_${row#*:}.txt" 2>&1
+        echo "rc=$?"; grep -E "PASS|FAIL|control|RESULT|Traceback|Error|DIFF|PROBLEM" \
+          "$OUT/v2eq_${attn}_${row#*:}.txt" | cut -c1-300 | tail -24
       done ;;
     splitbench)  # split vs single-kernel tree attention vs FA3, per layer
       stamp splitbench
@@ -89,14 +93,22 @@ for s in $STAGES; do
       timeout "$(left ${T_KERNEL:-60})" python3 "$HERE/kernel_bench.py" "$OUT" 2>&1 | grep -v Warning | tail -20 ;;
     bench)
       stamp bench
-      timeout "$(left ${T_BENCH:-600})" python3 "$HERE/step_bench.py" "$OUT" $BENCH_CONFIGS \
+      VLLM_USE_V2_MODEL_RUNNER=0 timeout "$(left ${T_BENCH:-600})" \
+        python3 "$HERE/step_bench.py" "$OUT" $BENCH_CONFIGS \
         > "$OUT/bench_log.txt" 2>&1
       echo "rc=$?"; grep -E " N |e2e|FAILED|Error|engine" "$OUT/bench_log.txt" | cut -c1-330 | tail -60 ;;
+    v2bench)  # the step table on the V2 runner (no e2e part there)
+      stamp v2bench
+      VLLM_USE_V2_MODEL_RUNNER=1 VLLM_DDTREE_V2=1 BENCH_E2E_BATCHES= timeout "$(left ${T_V2BENCH:-400})" \
+        python3 "$HERE/step_bench.py" "$OUT/v2bench" ${V2BENCH_CONFIGS:-chain15 chain15async ddtree16 ddtree32 ddtree64} \
+        > "$OUT/v2bench_log.txt" 2>&1
+      echo "rc=$?"; grep -E " N [0-9]+ step|FAILED|Error" "$OUT/v2bench_log.txt" | cut -c1-200 | tail -40 ;;
     repeat)  # alternating fresh processes: chain vs tree step time, R rounds
       stamp repeat
       for i in $(seq "${REPEATS:-3}"); do
         for c in ${REPEAT_CONFIGS:-chain15 ddtree64}; do
-          BENCH_BATCHES=${REPEAT_BATCHES:-1} BENCH_E2E_BATCHES= timeout "$(left 150)" \
+          VLLM_USE_V2_MODEL_RUNNER=0 BENCH_BATCHES=${REPEAT_BATCHES:-1} BENCH_E2E_BATCHES= \
+            timeout "$(left 150)" \
             python3 "$HERE/step_bench.py" "$OUT/repeat/r$i" "$c" > "$OUT/repeat_r${i}_$c.txt" 2>&1
           grep -E " N [0-9]+ step ms" "$OUT/repeat_r${i}_$c.txt" | cut -c1-60
         done
@@ -104,6 +116,7 @@ for s in $STAGES; do
   esac
 done
 stamp done
+[ -f "$OUT/v2bench/step_bench.json" ] && cp "$OUT/v2bench/step_bench.json" "$FINAL/v2_step_bench.json"
 cp "$OUT"/step_bench.json "$OUT"/equality.json "$OUT"/attn_tuning.json "$OUT"/tp/tp_equality.json \
   "$FINAL"/ 2>/dev/null
 for f in "$OUT"/v2_*/equality_v2.json; do [ -f "$f" ] && cp "$f" "$FINAL/$(basename "$(dirname "$f")").json"; done

@@ -20,11 +20,20 @@ with random safetensors written here (draft_load_config: safetensors).
     cost) and the drafter's logits are replaced by calibrated synthetic ones: at depth d
     the drafter gives probability p_k to its k-th token and the true token pi^d(bonus)
     sits at a rank drawn from that same profile p.  Chain = argmax per depth,
-    DDTree = the best tree of B.  Tokens/s over 128 new tokens (all profiles at batch 1, p80 at batch 16), tau = tokens / steps,
+    DDTree = the best tree of B.  Tokens/s over 128 new tokens (all profiles at batch 1,
+    p80 at the other BENCH_E2E_BATCHES; BENCH_E2E_ALL=1: every profile at every batch),
+    tau = tokens / steps,
     and every output is checked against the pi-chain (lossless).
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
-    CONFIG: nospec | chain15 | chain15async | ddtree<B>
+    CONFIG: nospec | chain15 | chain15async | ddtree<B> | ddtree<B>async
+
+With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
+default; DDTree follows it there): the same step walls, spans hooked on V2's own
+methods (verify forward = the FULL-graph replay, sample, draft = speculator.propose,
+which on V2 includes the commit and the tree build), drafter graphs captured for
+1 + L queries per request.  ddtree<B>async keeps vLLM's async scheduling
+(VLLM_DDTREE_ASYNC=1, V2 only).  (c) runs on V1 only.
 """
 
 from __future__ import annotations
@@ -42,11 +51,13 @@ import torch  # noqa: E402
 
 BATCHES = [int(x) for x in os.environ.get("BENCH_BATCHES", "1,4,16,32").split(",")]
 E2E_BATCHES = [int(x) for x in os.environ.get("BENCH_E2E_BATCHES", "1,16").split(",") if x]
+E2E_ALL = os.environ.get("BENCH_E2E_ALL") == "1"  # every profile at every e2e batch
 PROMPT, NEW, E2E_NEW = 512, 32, 128
 PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
             "p90": [0.9, 0.05, 0.02]}
 L = 15
 BASE = "/tmp/bench_models"
+V2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
 
 
 def parse(cfg: str):
@@ -55,7 +66,8 @@ def parse(cfg: str):
     if cfg.startswith("chain"):
         return dict(kind="chain", k=15, async_sched=cfg.endswith("async"))
     if cfg.startswith("ddtree"):
-        return dict(kind="ddtree", k=int(cfg[6:]))
+        asy = cfg.endswith("async")
+        return dict(kind="ddtree", k=int(cfg[6:len(cfg) - 5 * asy]), async_sched=asy)
     raise ValueError(cfg)
 
 
@@ -74,7 +86,10 @@ def engine(spec: dict, **llm_kw):
     from vllm.config import LoadConfig
 
     k = spec["k"]
-    sizes = [n * (1 + k) for n in sorted(set(BATCHES + E2E_BATCHES))]
+    batches = sorted(set(BATCHES + E2E_BATCHES))
+    sizes = [n * (1 + k) for n in batches]
+    if V2 and spec["kind"] == "ddtree":  # V2 captures the drafter: 1 + L per request
+        sizes = sorted(set(sizes + [n * (1 + min(L, k)) for n in batches]))
     kw = dict(model=f"{BASE}/target", load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=max(BATCHES + E2E_BATCHES),
               max_num_batched_tokens=max(BATCHES + E2E_BATCHES) * PROMPT + 512,
@@ -86,6 +101,11 @@ def engine(spec: dict, **llm_kw):
               "draft_load_config": LoadConfig(load_format="safetensors")}
         if spec["kind"] == "ddtree":
             sc.update(method="ddtree", ddtree_depth=L)
+            if spec.get("async_sched"):  # V2 only: the opt-in of payload/config.py
+                os.environ["VLLM_DDTREE_ASYNC"] = "1"
+                kw["async_scheduling"] = True
+            else:
+                os.environ.pop("VLLM_DDTREE_ASYNC", None)
         else:
             sc["method"] = "dflash"
             kw["async_scheduling"] = bool(spec.get("async_sched"))
@@ -130,6 +150,9 @@ class Hooks:
             return f
 
         r.execute_model = step_start(r.execute_model)
+        if V2:
+            self._hook_v2(r, kind, span)
+            return
         r._model_forward = span("verify_forward", r._model_forward)
         r._sample = span("sample", r._sample)
         if kind != "nospec":
@@ -146,6 +169,20 @@ class Hooks:
 
             pm.build_tree = span("tree_build", pm.build_tree)
             sm.walk_greedy = span("walk", sm.walk_greedy)
+            r.ddtree.prepare = span("prepare", r.ddtree.prepare, cpu=True)
+            r.ddtree.commit = span("commit", r.ddtree.commit, cpu=True)
+
+    def _hook_v2(self, r, kind, span):
+        """V2 runner (vllm/v1/worker/gpu/model_runner.py): its own method names."""
+        cg = getattr(r, "cudagraph_manager", None)  # None without CUDA graphs
+        if cg is not None:
+            cg.run_fullgraph = span("verify_forward", cg.run_fullgraph)
+        r.sample = span("sample", r.sample)
+        if kind == "nospec":
+            return
+        r.speculator.propose = span("draft", r.speculator.propose, cpu=True)
+        if kind == "ddtree":
+            r.speculator.build_trees = span("tree_build", r.speculator.build_trees)
             r.ddtree.prepare = span("prepare", r.ddtree.prepare, cpu=True)
             r.ddtree.commit = span("commit", r.ddtree.commit, cpu=True)
 
@@ -249,7 +286,8 @@ def run_config(name, out_dir, res):
     C.log("engine", name)
     t0 = time.perf_counter()
     llm = engine(spec)
-    res[name] = {"init_s": time.perf_counter() - t0, "steps": {}, "e2e": {}}
+    res[name] = {"init_s": time.perf_counter() - t0, "steps": {}, "e2e": {},
+                 "runner": type(C.runner_of(llm)).__module__}
     C.dump(os.path.join(out_dir, "step_bench.json"), res)
     runner = C.runner_of(llm)
     hooks = Hooks(runner, kind)
@@ -267,7 +305,7 @@ def run_config(name, out_dir, res):
         C.log(name, "N", n, "step ms", s["step_ms"], "gpu", json.dumps(s["gpu_ms"]),
               "cpu", json.dumps(s["cpu_ms"]))
         C.dump(os.path.join(out_dir, "step_bench.json"), res)
-    if not E2E_BATCHES:
+    if not E2E_BATCHES or V2:  # (c) hooks V1's drafter internals
         C.teardown(llm)
         return
     perm = rewire_target(runner)
@@ -278,7 +316,7 @@ def run_config(name, out_dir, res):
         if probs is not None:
             use_synthetic(runner, kind, hooks, FastSynthetic(perm, probs))
         for n in E2E_BATCHES:
-            if n > 1 and pname not in ("p80", "-"):
+            if n > 1 and pname not in ("p80", "-") and not E2E_ALL:
                 continue
             toks = C.prompts(n, PROMPT, 1000, 100000, seed=100 + n)
             hooks.reset()

@@ -201,6 +201,34 @@ def test_v2_runner_env_refused_unless_opted_in(config_module, monkeypatch):
     config_module.ddtree_vllm_config(cfg)
 
 
+@pytest.mark.parametrize("async_env,v2,user,want", [
+    (None, True, None, False),      # default: synchronous, also on V2
+    (None, True, True, "refused"),  # asked for async without the opt-in
+    ("1", True, None, None),        # opted in on V2: vLLM decides (its default: on)
+    ("1", True, True, True),
+    ("1", False, None, False),      # V1 stays synchronous whatever the env says
+    ("1", False, True, "refused"),
+    ("0", True, None, False),
+])
+def test_async_scheduling_only_on_v2_when_opted_in(config_module, monkeypatch, async_env,
+                                                    v2, user, want):
+    envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
+    sys.modules["vllm"].envs = envs
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=user),
+                          parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+                          model_config=None, use_v2_model_runner=v2)
+    if async_env is None:
+        monkeypatch.delenv("VLLM_DDTREE_ASYNC", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_DDTREE_ASYNC", async_env)
+    if want == "refused":
+        with pytest.raises(ValueError, match="synchronous scheduling"):
+            config_module.ddtree_vllm_config(cfg)
+        return
+    config_module.ddtree_vllm_config(cfg)
+    assert cfg.scheduler_config.async_scheduling is want
+
+
 # ------------------------------------------------------------------ through the CLI
 
 

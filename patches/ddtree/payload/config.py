@@ -30,6 +30,24 @@ def ddtree_v2_enabled() -> bool:
     return V2_DEFAULT and _on_cuda()
 
 
+# Async scheduling for DDTree on the V2 runner, whose verify -> walk -> commit ->
+# propose path runs on the device without host syncs; V1 stays synchronous.  Off by
+# default until a GPU run proves it lossless; VLLM_DDTREE_ASYNC=1/0 overrides.
+ASYNC_DEFAULT = False
+
+
+def ddtree_async_enabled(vllm_config) -> bool:
+    """May this engine keep vLLM's async scheduling?  Only on the V2 runner, and only
+    where VLLM_DDTREE_ASYNC (default: ASYNC_DEFAULT) allows it."""
+    v = os.environ.get("VLLM_DDTREE_ASYNC", "").strip().lower()
+    if not (v not in ("0", "false", "no", "off") if v else ASYNC_DEFAULT):
+        return False
+    try:  # 0.20.x has no V2 runner (no such property)
+        return bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except Exception:  # noqa: BLE001  (a config it cannot judge: stay synchronous)
+        return False
+
+
 def ddtree_pre_init(spec) -> None:
     """method="ddtree" -> a DFlash drafter whose drafts become a tree of B nodes.
 
@@ -175,11 +193,14 @@ def ddtree_metrics_info(stat_logger, vllm_config) -> None:
 def ddtree_vllm_config(vllm_config) -> None:
     """Engine-wide settings DDTree needs (start of VllmConfig.__post_init__)."""
     sched = vllm_config.scheduler_config
-    if sched.async_scheduling:
-        raise ValueError("method='ddtree' runs with synchronous scheduling for now: drop "
-                         "async_scheduling=True (--async-scheduling)")
-    sched.async_scheduling = False
     import vllm.envs as envs
+
+    if not ddtree_async_enabled(vllm_config):
+        if sched.async_scheduling:
+            raise ValueError("method='ddtree' runs with synchronous scheduling here: drop "
+                             "async_scheduling=True (--async-scheduling); on the V2 "
+                             "runner VLLM_DDTREE_ASYNC=1 allows it")
+        sched.async_scheduling = False
 
     if envs.VLLM_USE_V2_MODEL_RUNNER and not ddtree_v2_enabled():
         raise ValueError("method='ddtree' runs on the V1 model runner: unset "
