@@ -37,6 +37,10 @@ TOK_BITS = 20  # vocab ids must be < 2**20
 LOW = (1 << TOK_BITS) - 1
 CH_MAX = 4096  # tokens per chunk of the part kernel (and of row_logsumexp)
 FUSED_MAX = 16384  # largest sort of the select kernel; beyond it 'auto' uses torch
+# 'auto' takes the fused path up to this K: its cost grows with K while torch.topk's
+# hardly does (H200, V = 151936, CUDA graphs: fused wins at K <= 64 for 15-1920 rows,
+# 2-3x; torch.topk wins at K >= 256 but for 120 rows; bench/RESULTS.md, run 6)
+FUSED_AUTO_MAX_K = 128
 
 
 def order_keys(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +116,7 @@ def vocab_topk(x: torch.Tensor, k: int, with_lse: bool = True, impl: str = "auto
     """Top k of the last dim by (value desc, id asc), and the float32 logsumexp.
 
     x [..., V] float32/bf16/fp16; 1 <= k <= V < 2**20.  impl: 'auto' (fused Triton on
-    CUDA when its sorts stay <= FUSED_MAX elements, e.g. k <= 512 at V = 256k; else
+    CUDA for k <= FUSED_AUTO_MAX_K while its sorts stay <= FUSED_MAX elements; else
     torch), 'fused' (CUDA, or CPU under TRITON_INTERPRET=1), 'torch'.
     Returns (values float32 [..., k], ids int64 [..., k], lse [...] or None); values
     and ids are in key order (largest first).
@@ -123,7 +127,8 @@ def vocab_topk(x: torch.Tensor, k: int, with_lse: bool = True, impl: str = "auto
     if v > (1 << TOK_BITS):
         raise ValueError("vocab larger than 2**20 is not supported")
     if impl == "auto":
-        fused = HAS_TRITON and x.is_cuda and _plan(v, k)[0] <= FUSED_MAX
+        fused = HAS_TRITON and x.is_cuda and k <= FUSED_AUTO_MAX_K and \
+            _plan(v, k)[0] <= FUSED_MAX
     elif impl == "fused":
         if not HAS_TRITON or not (x.is_cuda or interpreting()):
             raise RuntimeError("impl='fused' needs triton and CUDA tensors (or TRITON_INTERPRET=1)")

@@ -128,10 +128,13 @@ def main() -> None:
     draft = torch.randn(2, L, V) * 2
     draft[0, 0, :] -= 10
     draft[0, 0, 3] = draft[0, 0, 4] = 5.0  # two likely first tokens: real siblings
-    for i in range(2):  # what sample_draft keeps
-        v, j = torch.topk(draft[i], B, dim=-1)
-        spec._top_vals[i * L:(i + 1) * L], spec._top_idx[i * L:(i + 1) * L] = v, j
-        spec._lse[i * L:(i + 1) * L] = torch.logsumexp(draft[i], -1)
+    draft[1, 1, 9] = float("nan")  # a broken drafter entry never enters a tree
+    spec.compute_draft_logits = lambda h, _: h  # sample_draft's own top-K + lse pass
+    spec.sample_draft(draft.reshape(2 * L, V))
+    ref = torch.where(draft.isnan(), float("-inf"), draft).reshape(2 * L, V)
+    assert torch.equal(spec._top_vals[: 2 * L], ref.topk(B, dim=-1).values)
+    assert 9 not in spec._top_idx[L + 1].tolist()
+    assert torch.allclose(spec._lse[: 2 * L], torch.logsumexp(ref, -1))
     prev = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([2, 1]))
     tokens = spec.build_trees(prev, store=True)
     tree = core.build_tree(draft, B, B)  # the same trees, built from the full logits

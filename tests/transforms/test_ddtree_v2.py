@@ -202,16 +202,18 @@ def test_v2_runner_env_refused_unless_opted_in(config_module, monkeypatch):
 
 
 @pytest.mark.parametrize("async_env,v2,user,want", [
-    (None, True, None, False),      # default: synchronous, also on V2
-    (None, True, True, "refused"),  # asked for async without the opt-in
-    ("1", True, None, None),        # opted in on V2: vLLM decides (its default: on)
+    (None, True, None, None),       # V2: vLLM decides (its default: on)
+    (None, True, True, True),
+    (None, True, False, False),
+    (None, False, None, False),     # V1 stays synchronous
+    (None, False, True, "refused"),
+    ("1", False, True, "refused"),  # whatever the env says
+    ("0", True, None, False),       # VLLM_DDTREE_ASYNC=0: synchronous on V2 too
+    ("0", True, True, "refused"),
     ("1", True, True, True),
-    ("1", False, None, False),      # V1 stays synchronous whatever the env says
-    ("1", False, True, "refused"),
-    ("0", True, None, False),
 ])
-def test_async_scheduling_only_on_v2_when_opted_in(config_module, monkeypatch, async_env,
-                                                    v2, user, want):
+def test_async_scheduling_only_on_v2(config_module, monkeypatch, async_env, v2, user,
+                                     want):
     envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
     sys.modules["vllm"].envs = envs
     cfg = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=user),

@@ -31,9 +31,10 @@ def ddtree_v2_enabled() -> bool:
 
 
 # Async scheduling for DDTree on the V2 runner, whose verify -> walk -> commit ->
-# propose path runs on the device without host syncs; V1 stays synchronous.  Off by
-# default until a GPU run proves it lossless; VLLM_DDTREE_ASYNC=1/0 overrides.
-ASYNC_DEFAULT = False
+# propose path runs on the device without host syncs; V1 stays synchronous.  On by
+# default there (vLLM's own default): fp32 DDTree == no-spec 8/8 with it under FULL
+# CUDA graphs on the H200 (bench/RESULTS.md, run 6).  VLLM_DDTREE_ASYNC=0/1 overrides.
+ASYNC_DEFAULT = True
 
 
 def ddtree_async_enabled(vllm_config) -> bool:
@@ -197,9 +198,9 @@ def ddtree_vllm_config(vllm_config) -> None:
 
     if not ddtree_async_enabled(vllm_config):
         if sched.async_scheduling:
-            raise ValueError("method='ddtree' runs with synchronous scheduling here: drop "
-                             "async_scheduling=True (--async-scheduling); on the V2 "
-                             "runner VLLM_DDTREE_ASYNC=1 allows it")
+            raise ValueError("method='ddtree' runs with synchronous scheduling on the V1 "
+                             "runner (and with VLLM_DDTREE_ASYNC=0): drop "
+                             "async_scheduling=True (--async-scheduling)")
         sched.async_scheduling = False
 
     if envs.VLLM_USE_V2_MODEL_RUNNER and not ddtree_v2_enabled():

@@ -24,7 +24,7 @@ import torch
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from .core import build_tree_from_topk
-from .core.tree_build import row_logsumexp
+from .core.vocab_topk import vocab_topk
 from .v2_step import SlotTrees
 
 _PROPOSE = inspect.signature(DFlashSpeculator.propose)
@@ -73,10 +73,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         logits and log-sum-exp; the returned tokens are not used."""
         logits = self.compute_draft_logits(hidden_states, 0)
         m = logits.shape[0]
-        vals, idx = torch.topk(logits, self.topk, dim=-1, sorted=False)
+        # one pass for top-K and lse (fused Triton for K <= 128 on CUDA); NaN / inf
+        # drafter entries count as -inf, so they never enter a tree
+        vals, idx, lse = vocab_topk(logits, self.topk)
         self._top_vals[:m].copy_(vals)
         self._top_idx[:m].copy_(idx)
-        self._lse[:m].copy_(row_logsumexp(logits))
+        self._lse[:m].copy_(lse)
         return idx[:, 0]
 
     @torch.inference_mode()
