@@ -17,6 +17,9 @@ runner (VLLM_USE_V2_MODEL_RUNNER=1, VLLM_DDTREE_V2=1):
                 graphs == eager)
   ddtree_async  with --async-row: the same as ddtree with vLLM's async scheduling
                 (VLLM_DDTREE_ASYNC=1; the runner overlaps host work with the GPU)
+  ddtree_per_batch  with --per-batch-row: the budget per batch size through vLLM's
+                dynamic speculative decoding (B, B/2, B/4 for 1-2, 3-5, 6+ requests;
+                a FULL graph per budget; VLLM_DDTREE_V2_PER_BATCH=1)
   dflash        bfloat16 only: the DFlash chain (L drafts) as a control; a bf16
                 difference the chain shows too is rounding, not the tree
 
@@ -51,7 +54,8 @@ sys.path.insert(0, str(HERE.parents[1] / "verify"))
 import common as C  # noqa: E402  (sets the offline / in-process defaults)
 
 N_PROMPTS, MAX_TOKENS = 8, 48
-ROWS = ("ddtree", "ddtree_swa", "ddtree_eager", "ddtree_async", "dflash")
+ROWS = ("ddtree", "ddtree_swa", "ddtree_eager", "ddtree_async", "ddtree_per_batch",
+        "dflash")
 SWA_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
 
@@ -74,8 +78,12 @@ def prompts(mask: int) -> list[list[int]]:
     return [[rng.randrange(2, mask) for _ in range(4 + 5 * i)] for i in range(N_PROMPTS)]
 
 
+def per_batch_schedule(b: int) -> list[list[int]]:
+    return [[1, 2, b], [3, 5, max(1, b // 2)], [6, 1024, max(1, b // 4)]]
+
+
 def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str = "",
-           asynchronous: bool = False):
+           asynchronous: bool = False, per_batch: bool = False):
     from vllm import LLM
 
     kw = dict(model=m["target"], skip_tokenizer_init=True, dtype=a.dtype, seed=0,
@@ -87,6 +95,8 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
     if not eager:  # the verify steps' shapes (1 + B per request) and the drafter's (1 + L)
         qs = {"ddtree": {1 + a.budget, 1 + min(a.depth, a.budget)},
               "dflash": {1 + a.depth}}.get(mode, {1})
+        if per_batch:
+            qs |= {1 + k for _, _, k in per_batch_schedule(a.budget)}
         sizes = sorted({k * q for q in qs for k in range(1, N_PROMPTS + 1)})
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": a.cudagraph_mode,
                                     "cudagraph_capture_sizes": sizes}
@@ -96,6 +106,11 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
         if profile:
             spec["ddtree_synthetic"] = profile
         kw["speculative_config"] = spec
+        if per_batch:
+            spec["num_speculative_tokens_per_batch_size"] = per_batch_schedule(a.budget)
+            os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
+        else:
+            os.environ.pop("VLLM_DDTREE_V2_PER_BATCH", None)
         if asynchronous:
             os.environ["VLLM_DDTREE_ASYNC"] = "1"
             kw["async_scheduling"] = True
@@ -253,6 +268,9 @@ def checks(name: str, r: dict, a) -> list[str]:
         w = r.get("walk") or {}
         if not w.get("trees"):
             bad.append("no tree was walked")
+        elif name == "ddtree_per_batch" and w.get("drafted", 0) > 0.75 * a.budget * w["trees"]:
+            bad.append(f"budgets per batch size not applied: {w.get('drafted')} nodes in "
+                       f"{w['trees']} trees")
         bad += metric_problems(r.get("metrics") or {}, w, min(a.depth, a.budget))
     if a.attn not in b.get("backends", []):
         bad.append(f"backends {b.get('backends')}")
@@ -293,6 +311,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=7)
     ap.add_argument("--async-row", action="store_true",
                     help="also DDTree with async scheduling (VLLM_DDTREE_ASYNC=1)")
+    ap.add_argument("--per-batch-row", action="store_true",
+                    help="also DDTree with a budget per batch size (dynamic SD)")
     a = ap.parse_args(argv)
     a.dtype = a.dtype or ("bfloat16" if a.attn == "FLASH_ATTN" else "float32")
     tie = 1e-3 if a.dtype == "float32" else 0.05
@@ -322,6 +342,9 @@ def main(argv=None) -> int:
     if a.async_row:
         run("ddtree_async", res, out, a, m, toks, "ddtree", not a.graphs,
             drafter=m["drafter"], profile=profile, asynchronous=True)
+    if a.per_batch_row:
+        run("ddtree_per_batch", res, out, a, m, toks, "ddtree", not a.graphs,
+            drafter=m["drafter"], profile=profile, per_batch=True)
     if a.dtype != "float32":
         run("dflash", res, out, a, m, toks, "dflash", not a.graphs, drafter=m["drafter"])
 

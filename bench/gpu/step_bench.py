@@ -26,7 +26,9 @@ with random safetensors written here (draft_load_config: safetensors).
     and every output is checked against the pi-chain (lossless).
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
-    CONFIG: nospec | chain15 | chain15async | ddtree<B> | ddtree<B>async
+    CONFIG: nospec | chain15 | chain15async | ddtree<B>[pb][async]
+    (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
+    decoding, VLLM_DDTREE_V2_PER_BATCH=1 on V2)
 
 With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
 default; DDTree follows it there): the same step walls, spans hooked on V2's own
@@ -66,9 +68,22 @@ def parse(cfg: str):
     if cfg.startswith("chain"):
         return dict(kind="chain", k=15, async_sched=cfg.endswith("async"))
     if cfg.startswith("ddtree"):
-        asy = cfg.endswith("async")
-        return dict(kind="ddtree", k=int(cfg[6:len(cfg) - 5 * asy]), async_sched=asy)
+        rest = cfg[6:]
+        asy = rest.endswith("async")
+        rest = rest[:-5] if asy else rest
+        pb = rest.endswith("pb")  # budget per batch size: B, B/2, B/4 for 1, 2-3, 4+
+        k = int(rest[:-2] if pb else rest)
+        sched = [[1, 1, k], [2, 3, max(1, k // 2)], [4, 1024, max(1, k // 4)]] if pb else None
+        return dict(kind="ddtree", k=k, async_sched=asy, per_batch=sched)
     raise ValueError(cfg)
+
+
+def budget_at(spec: dict, n: int) -> int:
+    """The verify budget of a batch of n requests (per_batch: vLLM's schedule)."""
+    for lo, hi, b in spec.get("per_batch") or []:
+        if lo <= n <= hi:
+            return min(b, spec["k"])
+    return spec["k"]
 
 
 def make_models():
@@ -90,6 +105,8 @@ def engine(spec: dict, **llm_kw):
     sizes = [n * (1 + k) for n in batches]
     if V2 and spec["kind"] == "ddtree":  # V2 captures the drafter: 1 + L per request
         sizes = sorted(set(sizes + [n * (1 + min(L, k)) for n in batches]))
+    if spec.get("per_batch"):  # a FULL graph per budget
+        sizes = sorted(set(sizes + [n * (1 + b) for n in batches for _, _, b in spec["per_batch"]]))
     kw = dict(model=f"{BASE}/target", load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=max(BATCHES + E2E_BATCHES),
               max_num_batched_tokens=max(BATCHES + E2E_BATCHES) * PROMPT + 512,
@@ -101,6 +118,9 @@ def engine(spec: dict, **llm_kw):
               "draft_load_config": LoadConfig(load_format="safetensors")}
         if spec["kind"] == "ddtree":
             sc.update(method="ddtree", ddtree_depth=L)
+            if spec.get("per_batch"):
+                sc["num_speculative_tokens_per_batch_size"] = spec["per_batch"]
+                os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
             if spec.get("async_sched"):  # V2 only: the opt-in of payload/config.py
                 os.environ["VLLM_DDTREE_ASYNC"] = "1"
                 kw["async_scheduling"] = True
@@ -298,7 +318,7 @@ def run_config(name, out_dir, res):
             C.generate(llm, toks, 8)  # warm-up (Triton compiles, allocator)
         hooks.reset()
         outs, dt = C.generate(llm, toks, NEW)
-        s = hooks.summary(n * verify)
+        s = hooks.summary(n * (1 + budget_at(spec, n)))
         s["generate_s"] = dt
         s["tokens"] = sum(len(o) for o in outs)
         res[name]["steps"][str(n)] = s

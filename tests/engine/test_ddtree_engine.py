@@ -122,9 +122,11 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
                                          extra_jobs=[stop])},
         {"name": "b8_mixed", **ddtree(8, synth="mixed", stats="b8_mixed")},
         {"name": "b8_auto", **_auto(ddtree(8, synth="mixed", stats="b8_auto"), work)},
+        {"name": "b8_per_batch", **_per_batch(ddtree(8, synth="mixed", stats="b8_per_batch"))},
     ]}, work, "patched")
     stats = {}
-    for name in ("b2", "b8_random", "b24_perfect", "b8_mixed", "b8_auto", "small_b8"):
+    for name in ("b2", "b8_random", "b24_perfect", "b8_mixed", "b8_auto", "small_b8",
+                 "b8_per_batch"):
         stats[name] = json.loads((work / f"stats-{name}.json").read_text())
     return {"stock": stock, "patched": patched, "stats": stats, "prompts": prompts,
             "stop_at": stop_at}
@@ -146,6 +148,15 @@ def _auto(cfg: dict, work: Path) -> dict:
     return cfg
 
 
+# vLLM's own dynamic speculative decoding: the budget per step from the batch size
+PER_BATCH = [[1, 1, 8], [2, 4, 4], [5, 256, 2]]
+
+
+def _per_batch(cfg: dict) -> dict:
+    cfg["llm"]["speculative_config"]["num_speculative_tokens_per_batch_size"] = PER_BATCH
+    return cfg
+
+
 def _tokens(run, job="greedy"):
     return run["jobs"][job]["token_ids"]
 
@@ -158,7 +169,8 @@ def _first_diff(a, b):
     return None
 
 
-@pytest.mark.parametrize("name", ["b2", "b8_random", "b24_perfect", "b8_mixed", "b8_auto"])
+@pytest.mark.parametrize("name", ["b2", "b8_random", "b24_perfect", "b8_mixed", "b8_auto",
+                                  "b8_per_batch"])
 def test_greedy_ddtree_equals_nospec(runs, name):
     ref = runs["stock"]["nospec"]
     got = runs["patched"][name]
@@ -189,6 +201,22 @@ def test_budget_controller_chooses_per_step_and_stays_lossless(runs):
     assert len(choices) >= 2 and "8" in {str(k) for k in choices}, choices
     m = runs["patched"]["b8_auto"]["jobs"]["greedy"]["metrics"]
     assert m["num_draft_tokens"] < 8 * m["num_drafts"]  # smaller trees were verified
+
+
+def test_budget_per_batch_size_follows_vllms_dynamic_schedule(runs):
+    """num_speculative_tokens_per_batch_size (vLLM's dynamic speculative decoding) sets
+    the tree budget per step from the batch size: 2 nodes per tree while 5-8 requests
+    run, 8 for the single long request; output equals no-spec
+    (test_greedy_ddtree_equals_nospec[b8_per_batch])."""
+    def per_draft(job):
+        m = runs["patched"]["b8_per_batch"]["jobs"][job]["metrics"]
+        return m["num_draft_tokens"] / m["num_drafts"]
+
+    batch8, single = per_draft("greedy"), per_draft("long")
+    assert batch8 < 4 < single, (batch8, single)
+    full = runs["stats"]["b8_mixed"]
+    assert full["drafted"] > 7 * full["trees"]  # the same drafter without the schedule
+    assert runs["stats"]["b8_per_batch"]["accepted"] > 0
 
 
 def test_stop_token_inside_an_accepted_path(runs):

@@ -311,7 +311,39 @@ def main() -> None:
     assert torch.equal(tokens2, want.tokens)
     assert torch.equal(spec.trees.parents[idx], want.parents)
     assert torch.equal(spec.trees.ancestor_mask[idx], want.ancestor_mask)
+    _check_runner_refusals(v2r, spec)
     print(OK)
+
+
+def _check_runner_refusals(v2r, spec) -> None:
+    """check_runner on a runner that is fine but for vLLM's dynamic speculative decoding
+    (budget per batch size): refused on V2 until VLLM_DDTREE_V2_PER_BATCH=1."""
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    ms = object.__new__(DefaultModelState)
+    ms.rope_state = None
+    per_batch = [[1, 1, 8], [2, 256, 4]]
+    sc = types.SimpleNamespace(enable_adaptive_verification=False,
+                         uses_dynamic_speculative_decoding=lambda: bool(per_batch))
+    cfg = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1,
+                                        prefill_context_parallel_size=1,
+                                        decode_context_parallel_size=1),
+        speculative_config=sc, model_config=types.SimpleNamespace(logits_processors=None),
+        cache_config=types.SimpleNamespace())
+    runner = types.SimpleNamespace(vllm_config=cfg, device="cuda", speculator=spec, model_state=ms)
+    os.environ.pop("VLLM_DDTREE_V2_PER_BATCH", None)
+    try:
+        v2r.check_runner(runner)
+        raise AssertionError("dynamic speculative decoding was not refused on V2")
+    except NotImplementedError as e:
+        assert "num_speculative_tokens_per_batch_size" in str(e) and \
+            "VLLM_DDTREE_V2_PER_BATCH=1" in str(e), e
+    os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
+    v2r.check_runner(runner)  # opted in: nothing else to refuse
+    per_batch.clear()
+    os.environ.pop("VLLM_DDTREE_V2_PER_BATCH")
+    v2r.check_runner(runner)  # a static budget: nothing to refuse
 
 
 def speculator_main(target: str, drafter: str, mixed: str) -> None:

@@ -111,6 +111,9 @@ def check_budget_control(spec) -> None:
     mode = getattr(spec, "ddtree_budget_control", None) or "off"
     if mode not in ("off", "auto"):
         raise ValueError(f"ddtree_budget_control must be 'off' or 'auto', got {mode!r}")
+    if mode == "auto" and getattr(spec, "num_speculative_tokens_per_batch_size", None):
+        raise ValueError("ddtree_budget_control='auto' and num_speculative_tokens_per_"
+                         "batch_size both choose the tree budget: use one of them")
     budgets = getattr(spec, "ddtree_budgets", None)
     if budgets is None:
         return

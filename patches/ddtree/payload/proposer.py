@@ -54,18 +54,24 @@ class DDTreeProposer(DFlashProposer):
                 getattr(spec, "ddtree_budgets", None), device=dev)
 
     def propose(self, *args, **kwargs):
-        # The runner asks for B tokens; the drafter itself runs L mask queries.
+        # The runner asks for K <= B tokens (K < B: vLLM's dynamic speculative decoding,
+        # num_speculative_tokens_per_batch_size); the drafter itself runs L mask queries
+        # and the first K nodes of the budget-B tree are the best tree of budget K.
+        want = None
         if not _PROPOSE_TAKES_K:
             self.num_speculative_tokens = self.ddtree_depth
         elif args:
-            args = (self.ddtree_depth,) + tuple(args[1:])
+            want, args = args[0], (self.ddtree_depth,) + tuple(args[1:])
         else:
+            want = kwargs.get("num_speculative_tokens")
             kwargs["num_speculative_tokens"] = self.ddtree_depth
         self._ddtree_call = kwargs
         self._ddtree_tokens = None
         out = super().propose(*args, **kwargs)
         tokens, self._ddtree_tokens, self._ddtree_call = self._ddtree_tokens, None, None
-        return out if tokens is None else tokens
+        if tokens is None:
+            return out
+        return tokens if want is None or want >= tokens.shape[1] else tokens[:, :want]
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         depth = self.num_speculative_tokens  # == ddtree_depth inside propose()
