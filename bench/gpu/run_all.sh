@@ -97,12 +97,13 @@ for s in $STAGES; do
         python3 "$HERE/step_bench.py" "$OUT" $BENCH_CONFIGS \
         > "$OUT/bench_log.txt" 2>&1
       echo "rc=$?"; grep -E " N |e2e|FAILED|Error|engine" "$OUT/bench_log.txt" | cut -c1-330 | tail -60 ;;
-    v2bench)  # the step table on the V2 runner (no e2e part there)
+    v2bench)  # the step table on the V2 runner (V2BENCH_E2E=1,16: also part (c) there)
       stamp v2bench
-      VLLM_USE_V2_MODEL_RUNNER=1 VLLM_DDTREE_V2=1 BENCH_E2E_BATCHES= timeout "$(left ${T_V2BENCH:-400})" \
+      VLLM_USE_V2_MODEL_RUNNER=1 VLLM_DDTREE_V2=1 BENCH_E2E_BATCHES=${V2BENCH_E2E:-} \
+        timeout "$(left ${T_V2BENCH:-400})" \
         python3 "$HERE/step_bench.py" "$OUT/v2bench" ${V2BENCH_CONFIGS:-chain15 chain15async ddtree16 ddtree32 ddtree64} \
         > "$OUT/v2bench_log.txt" 2>&1
-      echo "rc=$?"; grep -E " N [0-9]+ step|FAILED|Error" "$OUT/v2bench_log.txt" | cut -c1-200 | tail -40 ;;
+      echo "rc=$?"; grep -E " N [0-9]+ step|e2e|FAILED|Error" "$OUT/v2bench_log.txt" | cut -c1-200 | tail -60 ;;
     repeat)  # alternating fresh processes: chain vs tree step time, R rounds
       stamp repeat
       for i in $(seq "${REPEATS:-3}"); do

@@ -35,7 +35,8 @@ default; DDTree follows it there): the same step walls, spans hooked on V2's own
 methods (verify forward = the FULL-graph replay, sample, draft = speculator.propose,
 which on V2 includes the commit and the tree build), drafter graphs captured for
 1 + L queries per request.  ddtree<B>async keeps vLLM's async scheduling
-(VLLM_DDTREE_ASYNC=1, V2 only).  (c) runs on V1 only.
+(VLLM_DDTREE_ASYNC=1, V2 only).  (c) on V2: the synthetic distributions enter after
+the drafter's graph (use_synthetic_v2; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -300,6 +301,47 @@ def use_synthetic(runner, kind, hooks, synth):
         runner.drafter._greedy_sample = greedy
 
 
+def use_synthetic_v2(runner, kind, synth):
+    """V2: the drafter's step runs in a FULL graph, so the synthetic distributions go in
+    after it: DDTree's kept top-K (before its tree build), the chain's argmax drafts
+    (what propose returns).  The bonus token is V2's last_sampled_tokens by slot."""
+    from vllm.v1.spec_decode.ddtree.core.vocab_topk import vocab_topk
+
+    spec = runner.speculator
+    last = runner.req_states.last_sampled_tokens  # [max_reqs, 1]
+    meta = torch.empty(1, 1, spec.vocab_size, device=last.device)  # vocab size + device
+
+    def logits(batch, depth):
+        call = {"next_token_ids": last[batch.idx_mapping, 0]}
+        return synth.logits(runner, call, batch.num_reqs, depth, meta)
+
+    if kind == "ddtree":
+        orig = spec.build_trees
+
+        def build_trees(batch, store):
+            if store:
+                n, depth = batch.num_reqs, spec.num_speculative_steps
+                vals, idx, lse = vocab_topk(logits(batch, depth).view(n * depth, -1),
+                                            spec.topk)
+                spec._top_vals[: n * depth].copy_(vals)
+                spec._top_idx[: n * depth].copy_(idx)
+                spec._lse[: n * depth].copy_(lse)
+            return orig(batch, store)
+
+        spec.build_trees = build_trees
+    elif kind == "chain":
+        orig = spec.propose
+
+        def propose(*a, **k):
+            out = orig(*a, **k)
+            if k.get("dummy_run"):
+                return out
+            batch = a[0] if a else k["input_batch"]
+            return logits(batch, out.shape[1]).argmax(-1).to(out.dtype)
+
+        spec.propose = propose
+
+
 def run_config(name, out_dir, res):
     spec = parse(name)
     kind, k = spec["kind"], spec["k"]
@@ -325,7 +367,7 @@ def run_config(name, out_dir, res):
         C.log(name, "N", n, "step ms", s["step_ms"], "gpu", json.dumps(s["gpu_ms"]),
               "cpu", json.dumps(s["cpu_ms"]))
         C.dump(os.path.join(out_dir, "step_bench.json"), res)
-    if not E2E_BATCHES or V2:  # (c) hooks V1's drafter internals
+    if not E2E_BATCHES:
         C.teardown(llm)
         return
     perm = rewire_target(runner)
@@ -333,7 +375,9 @@ def run_config(name, out_dir, res):
     profiles = {p: v for p, v in PROFILES.items() if not only or p in only.split(",")}
     profiles = profiles if kind != "nospec" else {"-": None}
     for pname, probs in profiles.items():
-        if probs is not None:
+        if probs is not None and V2:
+            use_synthetic_v2(runner, kind, FastSynthetic(perm, probs))
+        elif probs is not None:
             use_synthetic(runner, kind, hooks, FastSynthetic(perm, probs))
         for n in E2E_BATCHES:
             if n > 1 and pname not in ("p80", "-") and not E2E_ALL:
