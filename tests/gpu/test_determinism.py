@@ -105,7 +105,8 @@ class Rank:
         seq_lens = torch.tensor([CTX[r] + 1 for r in REQS])
         cad = SimpleNamespace(seq_lens=seq_lens)
         hidden = draft_logits.to(self.dev).reshape(-1, V)  # compute_logits: identity
-        tokens = self.proposer.propose(L, hidden_states=hidden, common_attn_metadata=cad)
+        # the runner asks for B drafts (vLLM's num_spec_tokens_to_schedule)
+        tokens = self.proposer.propose(B, hidden_states=hidden, common_attn_metadata=cad)
         spec = {r: tokens[i].tolist() for i, r in enumerate(REQS)}
         lin = torch.cat([torch.arange(CTX[r], CTX[r] + 1 + B) for r in REQS]).to(self.dev)
         self.positions[:21] = lin
