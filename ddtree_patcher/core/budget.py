@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -313,6 +314,38 @@ def build_controlled(draft, controller: BudgetController, logprobs: bool = False
     return tree, tree.tokens[:, : choice.budget], choice
 
 
+def batch_schedule(cost: CostTable, tau: dict, max_batch: int, chain_tau: float | None = None,
+                   chain_k: int = 15) -> dict:
+    """A budget per batch size for vLLM's ``num_speculative_tokens_per_batch_size``.
+
+    tau: {budget: tokens a request emits per step with that budget} (accepted + bonus,
+    e.g. 1 + accepted / trees from a VLLM_DDTREE_STATS_FILE run); per batch size N the
+    budget maximising tau[b] / tree_ms(N, b + 1) wins (ties: the smaller budget).  With
+    chain_tau (the DFlash chain's tokens per step at k = chain_k) each row also carries
+    the expected tokens/s of DDTree over the chain: below 1 the chain is the better choice
+    at that batch size, which a budget schedule cannot express.  Returns {"schedule":
+    [[first N, last N, budget], ...], "rows": [{"n", "budget", "ms", "vs_chain"}, ...]}.
+    """
+    if not tau or any(int(b) < 1 or float(t) <= 0 for b, t in tau.items()):
+        raise ValueError(f"tau must map budgets >= 1 to tokens per step > 0, got {tau}")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    rows, sched = [], []
+    for n in range(1, max_batch + 1):
+        ms, b = min(((cost.tree_ms(n, int(b) + 1) / float(t), int(b)) for b, t in tau.items()),
+                    key=lambda x: (x[0], x[1]))
+        row = {"n": n, "budget": b, "ms": round(cost.tree_ms(n, b + 1), 4)}
+        if chain_tau:
+            row["vs_chain"] = round((float(tau[b]) if b in tau else float(tau[str(b)])) /
+                                    row["ms"] / (chain_tau / cost.chain_ms(n, chain_k + 1)), 4)
+        rows.append(row)
+        if sched and sched[-1][2] == b:
+            sched[-1][1] = n
+        else:
+            sched.append([n, n, b])
+    return {"schedule": sched, "rows": rows}
+
+
 def control_mode(spec) -> str:
     """SpeculativeConfig.ddtree_budget_control ('off' when the field is absent)."""
     mode = getattr(spec, "ddtree_budget_control", None) or "off"
@@ -321,8 +354,32 @@ def control_mode(spec) -> str:
     return mode
 
 
-if __name__ == "__main__":  # step_bench.json files -> a cost table (JSON on stdout)
-    import sys
+def main(argv: list[str]) -> int:
+    """python -m ddtree_patcher.core.budget STEP_BENCH.json ...   -> a cost table
+    python -m ddtree_patcher.core.budget schedule STEP_BENCH.json --tau 16=4.7,64=6.0
+        [--chain-tau 4.5] [--max-batch 64]                         -> a budget schedule
+    (JSON on stdout)."""
+    if argv[:1] != ["schedule"]:
+        print(json.dumps(CostTable.from_step_bench(*argv, source=" + ".join(argv)), indent=1))
+        return 0
+    import argparse
 
-    print(json.dumps(CostTable.from_step_bench(*sys.argv[1:], source=" + ".join(sys.argv[1:])),
-                     indent=1))
+    ap = argparse.ArgumentParser(prog="python -m ddtree_patcher.core.budget schedule")
+    ap.add_argument("step_bench", nargs="+")
+    ap.add_argument("--tau", required=True, help="budget=tokens per step, comma-separated")
+    ap.add_argument("--chain-tau", type=float, default=None)
+    ap.add_argument("--max-batch", type=int, default=64)
+    a = ap.parse_args(argv[1:])
+    try:
+        tau = {int(k): float(v) for k, v in (x.split("=") for x in a.tau.split(","))}
+        table = CostTable.load(CostTable.from_step_bench(*a.step_bench))
+        out = batch_schedule(table, tau, a.max_batch, a.chain_tau)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

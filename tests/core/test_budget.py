@@ -279,3 +279,39 @@ def test_cost_table_from_step_bench():
     t = CostTable.from_step_bench(partial)
     assert t["tree"] == {1: {17: 2.0, 65: 4.0}} and t["chain"] == {1: 1.5}
     assert CostTable.load(t).tree_ms(1, 33) == 2.0 + 2.0 * 16 / 48
+
+
+def test_batch_schedule_picks_the_best_budget_per_batch_size():
+    """Trees cost nothing extra for one request and grow steeply with the batch: the
+    schedule goes from the big tree to the small one, in vLLM's range format, and says
+    where the chain would be faster."""
+    from ddtree_patcher.core.budget import batch_schedule
+
+    table = CostTable({1: {17: 10.0, 65: 10.0}, 8: {17: 12.0, 65: 40.0}},
+                      chain={1: 9.0, 8: 10.0})
+    out = batch_schedule(table, {16: 4.0, 64: 6.0}, 10, chain_tau=3.6)
+    assert out["schedule"] == [[1, 2, 64], [3, 10, 16]]
+    rows = {r["n"]: r for r in out["rows"]}
+    assert rows[1]["vs_chain"] == round((6.0 / 10.0) / (3.6 / 9.0), 4)  # 1.5
+    assert rows[10]["budget"] == 16 and rows[10]["vs_chain"] < 1  # the chain wins there
+    assert batch_schedule(table, {16: 4.0}, 3)["schedule"] == [[1, 3, 16]]
+    for bad in ({}, {0: 3.0}, {16: 0.0}):
+        with pytest.raises(ValueError):
+            batch_schedule(table, bad, 4)
+
+
+def test_schedule_cli_on_the_run6_v2_step_table(capsys):
+    """The measured V2 step table of run 6 with p80-like acceptance: B = 64 for one or
+    two requests, smaller trees from there on; errors exit 2 with a message."""
+    from pathlib import Path
+
+    from ddtree_patcher.core.budget import main
+
+    res = Path(__file__).resolve().parents[2] / "bench/gpu/results/run6_032/v2_step_bench.json"
+    assert main(["schedule", str(res), "--tau", "16=4.7,32=5.2,64=6.0", "--chain-tau", "4.5",
+                 "--max-batch", "16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schedule"][0] == [1, 2, 64] and out["schedule"][-1][2] == 16
+    assert out["rows"][0]["vs_chain"] > 1 > out["rows"][-1]["vs_chain"]
+    assert main(["schedule", str(res), "--tau", "16=x"]) == 2
+    assert "error:" in capsys.readouterr().err
