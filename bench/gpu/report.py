@@ -159,6 +159,38 @@ def plots(sb, plot_dir):
     plt.close(fig)
 
 
+def e2e_by_batch_plot(sb, plot_dir, tag):
+    """tokens/s vs batch, one panel per synthetic-drafter profile (step_bench part (c)
+    with BENCH_E2E_ALL=1): chain and fixed-B DDTree side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = sorted({k.rsplit("_N", 1)[0] for v in sb.values() for k in v.get("e2e", {})})
+    fig, axes = plt.subplots(1, len(profiles), figsize=(4.2 * len(profiles), 4), sharey=False)
+    for ax, prof in zip(axes if len(profiles) > 1 else [axes], profiles):
+        for name, v in sb.items():
+            pts = sorted((int(k.rsplit("_N", 1)[1]), e["tok_per_s"])
+                         for k, e in v.get("e2e", {}).items() if k.rsplit("_N", 1)[0] == prof)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                        linestyle="--" if name.startswith("chain") else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (requests)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{prof} drafter")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"End-to-end tokens/s vs batch ({tag}; one run per point)")
+    fig.tight_layout()
+    os.makedirs(plot_dir, exist_ok=True)
+    path = os.path.join(plot_dir, f"e2e_by_batch_{tag}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main():
     d = sys.argv[1]
     plot_dir = sys.argv[2] if len(sys.argv) > 2 else None
