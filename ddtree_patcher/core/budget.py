@@ -326,18 +326,19 @@ def batch_schedule(cost: CostTable, tau: dict, max_batch: int, chain_tau: float 
     at that batch size, which a budget schedule cannot express.  Returns {"schedule":
     [[first N, last N, budget], ...], "rows": [{"n", "budget", "ms", "vs_chain"}, ...]}.
     """
-    if not tau or any(int(b) < 1 or float(t) <= 0 for b, t in tau.items()):
+    tau = {int(b): float(t) for b, t in tau.items()}
+    if not tau or any(b < 1 or t <= 0 for b, t in tau.items()):
         raise ValueError(f"tau must map budgets >= 1 to tokens per step > 0, got {tau}")
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     rows, sched = [], []
     for n in range(1, max_batch + 1):
-        ms, b = min(((cost.tree_ms(n, int(b) + 1) / float(t), int(b)) for b, t in tau.items()),
-                    key=lambda x: (x[0], x[1]))
+        # ms per emitted token, smallest wins (ties: the smaller budget)
+        _, b = min((cost.tree_ms(n, b + 1) / t, b) for b, t in tau.items())
         row = {"n": n, "budget": b, "ms": round(cost.tree_ms(n, b + 1), 4)}
         if chain_tau:
-            row["vs_chain"] = round((float(tau[b]) if b in tau else float(tau[str(b)])) /
-                                    row["ms"] / (chain_tau / cost.chain_ms(n, chain_k + 1)), 4)
+            row["vs_chain"] = round(tau[b] / row["ms"] /
+                                    (chain_tau / cost.chain_ms(n, chain_k + 1)), 4)
         rows.append(row)
         if sched and sched[-1][2] == b:
             sched[-1][1] = n

@@ -47,11 +47,11 @@ if HAS_TRITON:
         return s * scale
 
     @triton.jit
-    def query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh, G: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    def row_index(q0, q_len, qb, kvh, G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                  M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
         """A program's M rows: BLOCK_Q query tokens x the G query heads of KV head kvh
         (GQA packed like unified_attention): token index qi, head h, validity, the
-        head-dim lanes and the query tile."""
+        head-dim lanes, the token rows."""
         m = tl.arange(0, M)
         qi = qb * BLOCK_Q + m // G
         h = kvh * G + m % G
@@ -59,6 +59,13 @@ if HAS_TRITON:
         d = tl.arange(0, DP)
         dm = d < D
         tok = (q0 + qi).to(tl.int64)
+        return qi, h, row_ok, d, dm, tok
+
+    @triton.jit
+    def query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh, G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+        """row_index and the query tile of those rows."""
+        qi, h, row_ok, d, dm, tok = row_index(q0, q_len, qb, kvh, G, BLOCK_Q, M, D, DP)
         q = tl.load(Q + tok[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
                     mask=row_ok[:, None] & dm[None, :], other=0.0)
         return qi, h, row_ok, d, dm, tok, q

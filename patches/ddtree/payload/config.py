@@ -21,13 +21,17 @@ def _on_cuda() -> bool:
         return False
 
 
+def _env_flag(name: str):
+    """True / False when the variable is set (0, false, no, off: False), else None."""
+    v = os.environ.get(name, "").strip().lower()
+    return v not in ("0", "false", "no", "off") if v else None
+
+
 def ddtree_v2_enabled() -> bool:
     """May DDTree run on the V2 model runner?  VLLM_DDTREE_V2=1/0 overrides the
     default (V2_DEFAULT on CUDA, V1 elsewhere)."""
-    v = os.environ.get("VLLM_DDTREE_V2", "").strip().lower()
-    if v:
-        return v not in ("0", "false", "no", "off")
-    return V2_DEFAULT and _on_cuda()
+    flag = _env_flag("VLLM_DDTREE_V2")
+    return (V2_DEFAULT and _on_cuda()) if flag is None else flag
 
 
 # Async scheduling for DDTree on the V2 runner, whose verify -> walk -> commit ->
@@ -40,8 +44,8 @@ ASYNC_DEFAULT = True
 def ddtree_async_enabled(vllm_config) -> bool:
     """May this engine keep vLLM's async scheduling?  Only on the V2 runner, and only
     where VLLM_DDTREE_ASYNC (default: ASYNC_DEFAULT) allows it."""
-    v = os.environ.get("VLLM_DDTREE_ASYNC", "").strip().lower()
-    if not (v not in ("0", "false", "no", "off") if v else ASYNC_DEFAULT):
+    flag = _env_flag("VLLM_DDTREE_ASYNC")
+    if not (ASYNC_DEFAULT if flag is None else flag):
         return False
     try:  # 0.20.x has no V2 runner (no such property)
         return bool(getattr(vllm_config, "use_v2_model_runner", False))

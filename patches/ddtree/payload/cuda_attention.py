@@ -74,7 +74,7 @@ class TreeState:
 
 
 if HAS_TRITON:
-    from .attn_tiles import merge_state, online_update, query_rows, tile_scores
+    from .attn_tiles import merge_state, online_update, query_rows, row_index, tile_scores
 
     @triton.jit
     def _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi, row_ok, d, dm, ctx, kend,
@@ -177,13 +177,8 @@ if HAS_TRITON:
         q_len = tl.load(QSL + r + 1) - q0
         if qb * BLOCK_Q >= q_len:
             return
+        qi, h, row_ok, d, dm, tok = row_index(q0, q_len, qb, kvh, G, BLOCK_Q, M, D, DP)
         m = tl.arange(0, M)
-        qi = qb * BLOCK_Q + m // G
-        h = kvh * G + m % G
-        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
-        d = tl.arange(0, DP)
-        dm = d < D
-        tok = (q0 + qi).to(tl.int64)
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, DP], tl.float32)
