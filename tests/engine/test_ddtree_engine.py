@@ -115,6 +115,11 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
          "env": {"VLLM_DDTREE_STATS_FILE": str(work / "stats-small_b8.json")},
          "llm": {**small_target, "speculative_config": {
              "method": "ddtree", "model": small["drafter"], "num_speculative_tokens": 8}}},
+        {"name": "small_b8_per_batch", "jobs": [sampled],
+         "env": {"VLLM_DDTREE_STATS_FILE": str(work / "stats-small_b8_per_batch.json")},
+         "llm": {**small_target, "speculative_config": {
+             "method": "ddtree", "model": small["drafter"], "num_speculative_tokens": 8,
+             "num_speculative_tokens_per_batch_size": SAMPLED_PER_BATCH}}},
         {"name": "dflash", "llm": dflash(tiny_models["drafter"], DEPTH), "jobs": jobs[:1]},
         {"name": "b2", **ddtree(2, stats="b2")},
         {"name": "b8_random", **ddtree(8, drafter=random_drafter, stats="b8_random")},
@@ -126,7 +131,7 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
     ]}, work, "patched")
     stats = {}
     for name in ("b2", "b8_random", "b24_perfect", "b8_mixed", "b8_auto", "small_b8",
-                 "b8_per_batch"):
+                 "b8_per_batch", "small_b8_per_batch"):
         stats[name] = json.loads((work / f"stats-{name}.json").read_text())
     return {"stock": stock, "patched": patched, "stats": stats, "prompts": prompts,
             "stop_at": stop_at}
@@ -150,6 +155,8 @@ def _auto(cfg: dict, work: Path) -> dict:
 
 # vLLM's own dynamic speculative decoding: the budget per step from the batch size
 PER_BATCH = [[1, 1, 8], [2, 4, 4], [5, 256, 2]]
+# the sampled job runs many sequences at once: 4-node prefixes of the 8-node trees
+SAMPLED_PER_BATCH = [[1, 1, 8], [2, 4096, 4]]
 
 
 def _per_batch(cfg: dict) -> dict:
@@ -246,7 +253,10 @@ def test_metrics_agree_with_the_walk(runs, name):
     assert 1.0 <= tau <= DEPTH + 1
 
 
-def test_sampled_ddtree_keeps_the_target_distribution(runs):
+@pytest.mark.parametrize("name", ["small_b8", "small_b8_per_batch"])
+def test_sampled_ddtree_keeps_the_target_distribution(runs, name):
+    """Full trees, and (per_batch) the 4-node prefixes vLLM's dynamic schedule verifies
+    while many sequences run."""
     from scipy.stats import chi2_contingency
 
     def joint(run):
@@ -254,7 +264,7 @@ def test_sampled_ddtree_keeps_the_target_distribution(runs):
         assert len(outs) == SAMPLES
         return [tuple(o["token_ids"]) for o in outs]
 
-    ref, got = joint(runs["patched"]["small_nospec"]), joint(runs["patched"]["small_b8"])
+    ref, got = joint(runs["patched"]["small_nospec"]), joint(runs["patched"][name])
     keys = sorted(set(ref) | set(got), key=lambda k: -(ref.count(k) + got.count(k)))
     table, other = [], [0, 0]
     for k in keys:
@@ -269,8 +279,11 @@ def test_sampled_ddtree_keeps_the_target_distribution(runs):
     p = chi2_contingency(table)[1]
     assert p > 0.001, (p, table)
     # and the tree walk did the work: drafts accepted, some through later siblings
-    s = runs["stats"]["small_b8"]
+    s = runs["stats"][name]
     assert s["accepted"] > SAMPLES // 4 and s["accepted_non_first_child"] > 0, s
+    if name == "small_b8_per_batch":  # the schedule's small budgets were verified
+        full = runs["stats"]["small_b8"]
+        assert s["drafted"] <= 4 * s["trees"] and full["drafted"] > 6 * full["trees"], (s, full)
 
 
 def test_stock_paths_untouched(runs):

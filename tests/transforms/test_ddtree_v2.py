@@ -231,6 +231,18 @@ def test_async_scheduling_only_on_v2(config_module, monkeypatch, async_env, v2, 
     assert cfg.scheduler_config.async_scheduling is want
 
 
+def test_budget_control_and_a_per_batch_schedule_are_refused_together(config_module):
+    """Both would choose the tree budget: one of them, with a message saying so."""
+    spec = SimpleNamespace(ddtree_budget=8, ddtree_budget_control="auto", ddtree_budgets=None,
+                           num_speculative_tokens_per_batch_size=[[1, 1, 8], [2, 64, 4]])
+    with pytest.raises(ValueError, match="both choose the tree budget"):
+        config_module.check_budget_control(spec)
+    spec.ddtree_budget_control = "off"
+    config_module.check_budget_control(spec)  # the schedule alone is fine
+    spec.ddtree_budget_control, spec.num_speculative_tokens_per_batch_size = "auto", None
+    config_module.check_budget_control(spec)  # and so is the controller alone
+
+
 # ------------------------------------------------------------------ through the CLI
 
 
