@@ -15,8 +15,9 @@ runner (VLLM_USE_V2_MODEL_RUNNER=1, VLLM_DDTREE_V2=1):
                 groups, which forces V2 in stock vLLM)
   ddtree_eager  with --graphs only: the same as ddtree without graphs (sanity row:
                 graphs == eager)
-  ddtree_async  with --async-row: the same as ddtree with vLLM's async scheduling
-                (VLLM_DDTREE_ASYNC=1; the runner overlaps host work with the GPU)
+  ddtree_sync   with --sync-row: the same as ddtree with synchronous scheduling
+                (VLLM_DDTREE_ASYNC=0); the other rows run DDTree's V2 default, async
+                scheduling (run 6 proved it with the former --async-row)
   ddtree_per_batch  with --per-batch-row: the budget per batch size through vLLM's
                 dynamic speculative decoding (B, B/2, B/4 for 1-2, 3-5, 6+ requests;
                 a FULL graph per budget; VLLM_DDTREE_V2_PER_BATCH=1)
@@ -54,7 +55,7 @@ sys.path.insert(0, str(HERE.parents[1] / "verify"))
 import common as C  # noqa: E402  (sets the offline / in-process defaults)
 
 N_PROMPTS, MAX_TOKENS = 8, 48
-ROWS = ("ddtree", "ddtree_swa", "ddtree_eager", "ddtree_async", "ddtree_per_batch",
+ROWS = ("ddtree", "ddtree_swa", "ddtree_eager", "ddtree_sync", "ddtree_per_batch",
         "dflash")
 SWA_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
@@ -83,7 +84,7 @@ def per_batch_schedule(b: int) -> list[list[int]]:
 
 
 def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str = "",
-           asynchronous: bool = False, per_batch: bool = False):
+           sync: bool = False, per_batch: bool = False):
     from vllm import LLM
 
     kw = dict(model=m["target"], skip_tokenizer_init=True, dtype=a.dtype, seed=0,
@@ -111,9 +112,9 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
             os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
         else:
             os.environ.pop("VLLM_DDTREE_V2_PER_BATCH", None)
-        if asynchronous:
-            os.environ["VLLM_DDTREE_ASYNC"] = "1"
-            kw["async_scheduling"] = True
+        if sync:
+            os.environ["VLLM_DDTREE_ASYNC"] = "0"
+            kw["async_scheduling"] = False
         else:
             os.environ.pop("VLLM_DDTREE_ASYNC", None)
     elif mode == "dflash":
@@ -309,8 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, help="default: float32 (bfloat16 on FLASH_ATTN)")
     ap.add_argument("--budget", type=int, default=32)
     ap.add_argument("--depth", type=int, default=7)
-    ap.add_argument("--async-row", action="store_true",
-                    help="also DDTree with async scheduling (VLLM_DDTREE_ASYNC=1)")
+    ap.add_argument("--sync-row", action="store_true",
+                    help="also DDTree with synchronous scheduling (VLLM_DDTREE_ASYNC=0)")
     ap.add_argument("--per-batch-row", action="store_true",
                     help="also DDTree with a budget per batch size (dynamic SD)")
     a = ap.parse_args(argv)
@@ -339,9 +340,9 @@ def main(argv=None) -> int:
     if a.graphs:
         run("ddtree_eager", res, out, a, m, toks, "ddtree", True, drafter=m["drafter"],
             profile=profile)
-    if a.async_row:
-        run("ddtree_async", res, out, a, m, toks, "ddtree", not a.graphs,
-            drafter=m["drafter"], profile=profile, asynchronous=True)
+    if a.sync_row:
+        run("ddtree_sync", res, out, a, m, toks, "ddtree", not a.graphs,
+            drafter=m["drafter"], profile=profile, sync=True)
     if a.per_batch_row:
         run("ddtree_per_batch", res, out, a, m, toks, "ddtree", not a.graphs,
             drafter=m["drafter"], profile=profile, per_batch=True)

@@ -34,8 +34,8 @@ With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33
 default; DDTree follows it there): the same step walls, spans hooked on V2's own
 methods (verify forward = the FULL-graph replay, sample, draft = speculator.propose,
 which on V2 includes the commit and the tree build), drafter graphs captured for
-1 + L queries per request.  ddtree<B>async keeps vLLM's async scheduling
-(VLLM_DDTREE_ASYNC=1, V2 only).  (c) on V2: the synthetic distributions enter after
+1 + L queries per request.  ddtree<B>async runs with async scheduling (V2 only;
+DDTree's default there), ddtree<B> pins synchronous scheduling.  (c) on V2: the synthetic distributions enter after
 the drafter's graph (use_synthetic_v2; not yet run on a GPU).
 """
 
@@ -122,11 +122,10 @@ def engine(spec: dict, **llm_kw):
             if spec.get("per_batch"):
                 sc["num_speculative_tokens_per_batch_size"] = spec["per_batch"]
                 os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
-            if spec.get("async_sched"):  # V2 only: the opt-in of payload/config.py
-                os.environ["VLLM_DDTREE_ASYNC"] = "1"
-                kw["async_scheduling"] = True
-            else:
-                os.environ.pop("VLLM_DDTREE_ASYNC", None)
+            # pinned either way: on V2 DDTree keeps vLLM's async default unless told not to
+            asy = bool(spec.get("async_sched"))
+            os.environ["VLLM_DDTREE_ASYNC"] = "1" if asy else "0"
+            kw["async_scheduling"] = asy
         else:
             sc["method"] = "dflash"
             kw["async_scheduling"] = bool(spec.get("async_sched"))
