@@ -21,6 +21,10 @@ runner (VLLM_USE_V2_MODEL_RUNNER=1, VLLM_DDTREE_V2=1):
   ddtree_per_batch  with --per-batch-row: the budget per batch size through vLLM's
                 dynamic speculative decoding (B, B/2, B/4 for 1-2, 3-5, 6+ requests;
                 a FULL graph per budget; VLLM_DDTREE_V2_PER_BATCH=1)
+  ddtree_chain  with --chain-row: a budget per batch size whose large batches are
+                chains (B, B/2, L for 1-2, 3-5, 6+ requests, ddtree_chain_budget = L):
+                chain steps (the backend's causal kernel in their own FULL graphs, top-1
+                drafts, no compaction) and tree steps in one run, as requests finish
   dflash        bfloat16 only: the DFlash chain (L drafts) as a control; a bf16
                 difference the chain shows too is rounding, not the tree
 
@@ -56,7 +60,7 @@ import common as C  # noqa: E402  (sets the offline / in-process defaults)
 
 N_PROMPTS, MAX_TOKENS = 8, 48
 ROWS = ("ddtree", "ddtree_swa", "ddtree_eager", "ddtree_sync", "ddtree_per_batch",
-        "dflash")
+        "ddtree_chain", "dflash")
 SWA_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
 
@@ -79,12 +83,12 @@ def prompts(mask: int) -> list[list[int]]:
     return [[rng.randrange(2, mask) for _ in range(4 + 5 * i)] for i in range(N_PROMPTS)]
 
 
-def per_batch_schedule(b: int) -> list[list[int]]:
-    return [[1, 2, b], [3, 5, max(1, b // 2)], [6, 1024, max(1, b // 4)]]
+def per_batch_schedule(b: int, chain: int = 0) -> list[list[int]]:
+    return [[1, 2, b], [3, 5, max(1, b // 2)], [6, 1024, chain or max(1, b // 4)]]
 
 
 def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str = "",
-           sync: bool = False, per_batch: bool = False):
+           sync: bool = False, per_batch: bool = False, chain: int = 0):
     from vllm import LLM
 
     kw = dict(model=m["target"], skip_tokenizer_init=True, dtype=a.dtype, seed=0,
@@ -97,7 +101,7 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
         qs = {"ddtree": {1 + a.budget, 1 + min(a.depth, a.budget)},
               "dflash": {1 + a.depth}}.get(mode, {1})
         if per_batch:
-            qs |= {1 + k for _, _, k in per_batch_schedule(a.budget)}
+            qs |= {1 + k for _, _, k in per_batch_schedule(a.budget, chain)}
         sizes = sorted({k * q for q in qs for k in range(1, N_PROMPTS + 1)})
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": a.cudagraph_mode,
                                     "cudagraph_capture_sizes": sizes}
@@ -108,8 +112,11 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
             spec["ddtree_synthetic"] = profile
         kw["speculative_config"] = spec
         if per_batch:
-            spec["num_speculative_tokens_per_batch_size"] = per_batch_schedule(a.budget)
+            spec["num_speculative_tokens_per_batch_size"] = per_batch_schedule(a.budget,
+                                                                               chain)
             os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
+        if chain:
+            spec["ddtree_chain_budget"] = chain
         else:
             os.environ.pop("VLLM_DDTREE_V2_PER_BATCH", None)
         if sync:
@@ -272,6 +279,10 @@ def checks(name: str, r: dict, a) -> list[str]:
         elif name == "ddtree_per_batch" and w.get("drafted", 0) > 0.75 * a.budget * w["trees"]:
             bad.append(f"budgets per batch size not applied: {w.get('drafted')} nodes in "
                        f"{w['trees']} trees")
+        if name == "ddtree_chain" and not w.get("chain_steps"):
+            bad.append("no chain step ran (ddtree_chain_budget)")
+        elif name != "ddtree_chain" and w.get("chain_steps"):
+            bad.append(f"{w['chain_steps']} chain steps without ddtree_chain_budget")
         bad += metric_problems(r.get("metrics") or {}, w, min(a.depth, a.budget))
     if a.attn not in b.get("backends", []):
         bad.append(f"backends {b.get('backends')}")
@@ -290,7 +301,8 @@ def metric_problems(m: dict, w: dict, depth: int) -> list[str]:
         return [f"no spec-decode metrics: {m}"]
     bad = []
     acc, drafts = m["num_accepted_tokens"], m["num_drafts"]
-    if not 0 < drafts <= w.get("trees", 0) or acc > w.get("accepted", 0):
+    rows = w.get("trees", 0) + w.get("chain_rows", 0)  # chain steps' rows count too
+    if not 0 < drafts <= rows or acc > w.get("accepted", 0) + w.get("chain_accepted", 0):
         bad.append(f"metrics {m} vs walk {w}")
     if sum(m.get("accepted_per_pos", [])) != acc:
         bad.append(f"accepted_per_pos {m.get('accepted_per_pos')} != {acc}")
@@ -314,6 +326,8 @@ def main(argv=None) -> int:
                     help="also DDTree with synchronous scheduling (VLLM_DDTREE_ASYNC=0)")
     ap.add_argument("--per-batch-row", action="store_true",
                     help="also DDTree with a budget per batch size (dynamic SD)")
+    ap.add_argument("--chain-row", action="store_true",
+                    help="also DDTree with chains at large batches (ddtree_chain_budget)")
     a = ap.parse_args(argv)
     a.dtype = a.dtype or ("bfloat16" if a.attn == "FLASH_ATTN" else "float32")
     tie = 1e-3 if a.dtype == "float32" else 0.05
@@ -346,6 +360,10 @@ def main(argv=None) -> int:
     if a.per_batch_row:
         run("ddtree_per_batch", res, out, a, m, toks, "ddtree", not a.graphs,
             drafter=m["drafter"], profile=profile, per_batch=True)
+    if a.chain_row:
+        run("ddtree_chain", res, out, a, m, toks, "ddtree", not a.graphs,
+            drafter=m["drafter"], profile=profile, per_batch=True,
+            chain=min(a.depth, a.budget))
     if a.dtype != "float32":
         run("dflash", res, out, a, m, toks, "dflash", not a.graphs, drafter=m["drafter"])
 
@@ -373,6 +391,7 @@ def main(argv=None) -> int:
                      len(rep["ties"]) if rep else "-", len(rep["diffs"]) if rep else "-",
                      w.get("trees", "-"), w.get("accepted", "-"),
                      w.get("accepted_non_first_child", "-"), w.get("max_accepted", "-"),
+                     w.get("chain_steps", "-"),
                      r.get("eager_tree_attention_calls", "-"),
                      ("PASS" if not bad else "FAIL") if name != "dflash"
                      else "control"))
@@ -380,7 +399,7 @@ def main(argv=None) -> int:
     C.dump(str(out / "equality_v2.json"), res)
 
     head = ("row", "equal", "ties", "diffs", "trees", "accepted", "non-first", "max-acc",
-            "eager-tree", "verdict")
+            "chain-steps", "eager-tree", "verdict")
     widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     print("\n" + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
     for row in rows:

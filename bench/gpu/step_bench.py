@@ -26,9 +26,10 @@ with random safetensors written here (draft_load_config: safetensors).
     and every output is checked against the pi-chain (lossless).
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
-    CONFIG: nospec | chain15 | chain15async | ddtree<B>[pb][async]
+    CONFIG: nospec | chain15 | chain15async | ddtree<B>[pb|chain][async]
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
-    decoding, VLLM_DDTREE_V2_PER_BATCH=1 on V2)
+    decoding, VLLM_DDTREE_V2_PER_BATCH=1 on V2; chain: budget B for 1-2 requests, a
+    chain of L = 15 from 3 on, ddtree_chain_budget = 15, V2 only)
 
 With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
 default; DDTree follows it there): the same step walls, spans hooked on V2's own
@@ -73,9 +74,12 @@ def parse(cfg: str):
         asy = rest.endswith("async")
         rest = rest[:-5] if asy else rest
         pb = rest.endswith("pb")  # budget per batch size: B, B/2, B/4 for 1, 2-3, 4+
-        k = int(rest[:-2] if pb else rest)
-        sched = [[1, 1, k], [2, 3, max(1, k // 2)], [4, 1024, max(1, k // 4)]] if pb else None
-        return dict(kind="ddtree", k=k, async_sched=asy, per_batch=sched)
+        chain = rest.endswith("chain")  # B for 1-2 requests, a chain of L from 3 on
+        k = int(rest[:-5] if chain else rest[:-2] if pb else rest)
+        sched = [[1, 1, k], [2, 3, max(1, k // 2)], [4, 1024, max(1, k // 4)]] if pb else \
+            [[1, 2, k], [3, 1024, min(L, k)]] if chain else None
+        return dict(kind="ddtree", k=k, async_sched=asy, per_batch=sched,
+                    chain=min(L, k) if chain else 0)
     raise ValueError(cfg)
 
 
@@ -122,6 +126,8 @@ def engine(spec: dict, **llm_kw):
             if spec.get("per_batch"):
                 sc["num_speculative_tokens_per_batch_size"] = spec["per_batch"]
                 os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
+            if spec.get("chain"):
+                sc["ddtree_chain_budget"] = spec["chain"]
             # pinned either way: on V2 DDTree keeps vLLM's async default unless told not to
             asy = bool(spec.get("async_sched"))
             os.environ["VLLM_DDTREE_ASYNC"] = "1" if asy else "0"
@@ -147,6 +153,7 @@ class Hooks:
             def f(scheduler_output, *a, **k):
                 self.cur = {"t": time.perf_counter(),
                             "tokens": scheduler_output.total_num_scheduled_tokens,
+                            "reqs": len(scheduler_output.num_scheduled_tokens),
                             "ev": {}, "cpu": {}}
                 self.steps.append(self.cur)
                 return orig(scheduler_output, *a, **k)
@@ -315,9 +322,9 @@ def use_synthetic_v2(runner, kind, synth):
         return synth.logits(runner, call, batch.num_reqs, depth, meta)
 
     if kind == "ddtree":
-        orig = spec.build_trees
+        orig = spec.kept  # the kept top-K that trees and chain steps both read
 
-        def build_trees(batch, store):
+        def kept(batch, store):
             if store:
                 n, depth = batch.num_reqs, spec.num_speculative_steps
                 vals, idx, lse = vocab_topk(logits(batch, depth).view(n * depth, -1),
@@ -327,7 +334,7 @@ def use_synthetic_v2(runner, kind, synth):
                 spec._lse[: n * depth].copy_(lse)
             return orig(batch, store)
 
-        spec.build_trees = build_trees
+        spec.kept = kept
     elif kind == "chain":
         orig = spec.propose
 
@@ -384,9 +391,10 @@ def run_config(name, out_dir, res):
             toks = C.prompts(n, PROMPT, 1000, 100000, seed=100 + n)
             hooks.reset()
             outs, dt = C.generate(llm, toks, E2E_NEW)
-            dec = [s for s in hooks.steps if s["tokens"] <= n * verify]
+            # decode steps (no prompt chunk: <= 1 + B rows per request); request-steps
+            dec = [s for s in hooks.steps if s["reqs"] and s["tokens"] <= s["reqs"] * verify]
             steps = len(dec)
-            active = sum(s["tokens"] / verify for s in dec)  # request-steps
+            active = sum(s["reqs"] for s in dec)
             pc = perm.cpu()
             bad = 0
             for p, o in zip(toks, outs):

@@ -57,6 +57,10 @@ drafter's top-1 chain, that maximises expected tokens/s; see
 vllm/v1/spec_decode/ddtree/core/budget.py)."""
 ddtree_budgets: list[int] | None = None
 """DDTree with ddtree_budget_control="auto": the budgets to choose from (<= B)."""
+ddtree_chain_budget: int | None = None
+"""DDTree on the V2 runner: verify steps of at most this many drafts per request run as
+the DFlash chain (top-1 drafts, the backend's causal attention, no KV compaction); with
+num_speculative_tokens_per_batch_size, large batches cost what the chain costs."""
 '''
 
 

@@ -120,7 +120,7 @@ def main() -> None:
     # -------- drafter side of the previous step: trees for slots 2 and 1
     spec = object.__new__(v2s.DDTreeSpeculator)  # no model: build_trees only
     spec.num_speculative_steps, spec.topk, spec.ddtree_budget = L, B, B
-    spec.synthetic = None
+    spec.synthetic, spec.chain_budget = None, 0
     spec.trees = v2_step.SlotTrees(R, B, "cpu")
     spec._top_vals = torch.zeros(R * L, B)
     spec._top_idx = torch.zeros(R * L, B, dtype=torch.int64)
@@ -311,6 +311,18 @@ def main() -> None:
     assert torch.equal(tokens2, want.tokens)
     assert torch.equal(spec.trees.parents[idx], want.parents)
     assert torch.equal(spec.trees.ancestor_mask[idx], want.ancestor_mask)
+
+    # -------- a chain step's proposal (want <= ddtree_chain_budget): top-1 per
+    # position, -1 after, nothing stored; want > the chain budget: the tree
+    spec.chain_budget = 2
+    stored = spec.trees.parents.clone()
+    chain = spec.build_trees(batch, store=True, want=2)
+    top1 = spec._top_idx[: 3 * L].view(3, L, B).gather(
+        -1, spec._top_vals[: 3 * L].view(3, L, B).argmax(-1, keepdim=True)).squeeze(-1)
+    assert torch.equal(chain[:, :2], top1[:, :2]) and chain[:, 2:].eq(-1).all()
+    assert torch.equal(spec.trees.parents, stored)
+    assert torch.equal(spec.build_trees(batch, store=False, want=3), want.tokens)
+    spec.chain_budget = 0
     _check_runner_refusals(v2r, spec)
     print(OK)
 
@@ -355,16 +367,33 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
 
-    def config(draft, **env):
+    def config(draft, chain=None, **env):
         for k in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_DDTREE_V2"):
             os.environ.pop(k, None)
         os.environ.update(env)
+        sc = {"method": "ddtree", "model": draft, "num_speculative_tokens": 8,
+              "ddtree_depth": 3}
+        if chain is not None:
+            sc["ddtree_chain_budget"] = chain
         args = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32",
                           max_model_len=256, enforce_eager=True, max_num_seqs=4,
-                          speculative_config={"method": "ddtree", "model": draft,
-                                              "num_speculative_tokens": 8,
-                                              "ddtree_depth": 3})
+                          speculative_config=sc)
         return args.create_engine_config()
+
+    def refused(match, *a, **k):
+        try:
+            config(*a, **k)
+        except Exception as e:  # noqa: BLE001  (pydantic wraps the ValueError)
+            assert match in str(e), e
+            return
+        raise AssertionError(f"accepted: {a} {k}")
+
+    # ddtree_chain_budget: V2 only, 1..min(L, B)
+    refused("V2 model runner", drafter, chain=2)
+    refused("must be a draft count in 1..3", drafter, chain=4, VLLM_DDTREE_V2="1")
+    refused("must be a draft count in 1..3", drafter, chain=0, VLLM_DDTREE_V2="1")
+    assert config(drafter, chain=3, VLLM_DDTREE_V2="1").speculative_config \
+        .ddtree_chain_budget == 3
 
     for draft in (drafter, mixed):
         assert config(draft).use_v2_model_runner is False  # DDTree keeps V1 by default
@@ -375,7 +404,7 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
     except ValueError as e:
         assert "VLLM_DDTREE_V2=1" in str(e), e
 
-    cfg = config(mixed, VLLM_USE_V2_MODEL_RUNNER="1", VLLM_DDTREE_V2="1")
+    cfg = config(mixed, chain=2, VLLM_USE_V2_MODEL_RUNNER="1", VLLM_DDTREE_V2="1")
     assert cfg.use_v2_model_runner and cfg.speculative_config.num_speculative_tokens == 8
     torch.accelerator.empty_cache = lambda: None  # model loading on a CPU-only torch
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -393,6 +422,7 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
         assert spec.num_speculative_steps == 3 and spec.num_query_per_req == 4
         assert spec.draft_tokens.shape == (4, 3) and spec.sample_col.shape == (12,)
         assert spec._top_vals.shape == (12, 8) and spec.trees.parents.shape == (4, 8)
+        assert spec.chain_budget == 2
         assert spec.vllm_config.speculative_config is cfg.speculative_config
         assert cfg.speculative_config.num_speculative_tokens == 8  # untouched
         spec.load_model(get_model(vllm_config=cfg))

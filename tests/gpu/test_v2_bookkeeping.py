@@ -96,7 +96,7 @@ def make_batch(dev):
     idx_np = np.array([2, 0, 3, 1])
     return Batch(num_reqs=4, num_draft_tokens=8, idx_mapping_np=idx_np,
                  idx_mapping=torch.tensor(idx_np, device=dev),
-                 cu_num_logits=torch.tensor(cu, device=dev),
+                 cu_num_logits=torch.tensor(cu, device=dev), cu_num_logits_np=cu,
                  query_start_loc=torch.tensor(qsl, device=dev),
                  positions=positions.to(dev), linear=lin.to(dev),
                  input_ids=torch.arange(100, 120, device=dev),
@@ -261,6 +261,82 @@ def test_one_verify_step(dev, fused, monkeypatch):
     assert cap.ddtree is rt.state
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dev", DEVS)
+def test_chain_step(dev, fused, monkeypatch):
+    """ddtree_chain_budget >= the step's drafts per request: the drafts are verified as
+    a chain (linear positions, no tree rows, no tree mark, a chain walk) and the commit
+    moves nothing (rows, input ids, KV stay); budget < the drafts: the tree step."""
+    _fused_ok(dev, fused)
+    v2r, v2_step, core = _modules(monkeypatch)
+    runner, tree = make_runner(dev, core, v2_step)
+    runner.speculator.chain_budget = 5
+    rt = v2r.V2DDTree(runner)
+    rt.fused = fused
+    rt.prepare(make_batch(dev))
+    assert not rt.step.chain  # 6 drafts > 5: the tree step
+    rt.chain_budget = 6
+    batch = make_batch(dev)
+    tok = tree.tokens[0].tolist()
+    batch.input_ids[1:7] = tree.tokens[0]
+    ids_before = batch.input_ids.clone()
+    rt.state.has_tree.fill_(1)  # left over from an earlier tree step
+    rt.prepare(batch)
+    step = rt.step
+    assert step.chain
+    assert torch.equal(batch.positions[:14], batch.linear)
+    assert rt.state.has_tree.tolist() == [0, 0, 0, 0]
+    assert step.tree.num_nodes.tolist() == [6, 0, 0, 0]  # all 6 drafts, as a chain
+    assert step.pack[4:].tolist() == [-1] * 8
+    for r in range(4):
+        assert step.tree.parents[r].tolist() == list(range(-1, B - 1))
+    md = SimpleNamespace(causal=True)
+    rt.mark(batch, {"model.layers.0.self_attn.attn": md}, for_capture=False)
+    assert not hasattr(md, "ddtree")  # the backend's own causal kernel
+
+    logits = torch.zeros(12, V, device=dev)
+    logits[0, tok[0]] = 10  # the chain: drafts 0 and 1 accepted, then bonus 7
+    logits[1, tok[1]] = 10
+    logits[2, 7] = 10
+    logits[7, 2] = 10
+    logits[8, 5] = 10
+    logits[11, 9] = 10
+    out = rt.sampler(logits, batch)
+    toks = out.sampled_token_ids.cpu()
+    assert toks[0, :3].tolist() == [tok[0], tok[1], 7] and toks[0, 3:].eq(-1).all()
+    assert out.num_sampled.tolist() == [3, 0, 1, 1]
+    assert out.num_rejected.tolist() == [4, 0, 2, 0]
+
+    kv = runner.compilation_config.static_forward_context[
+        "model.layers.0.self_attn.attn"].kv_cache
+    kv_before = kv.clone()
+    aux = [torch.arange(20.0, device=dev).unsqueeze(1).repeat(1, 4)]
+    aux_before = aux[0].clone()
+    rt.commit(batch, None, aux)
+    assert torch.equal(kv, kv_before) and torch.equal(aux[0], aux_before)
+    assert torch.equal(batch.input_ids, ids_before)
+    assert torch.equal(batch.positions[:14], batch.linear)
+    assert rt.step is None and rt.walk is None
+
+
+def test_chain_graphs_keep_the_backend_kernel(monkeypatch):
+    """FULL-graph captures: <= 1 + C query rows per request can only replay chain steps
+    (no tree mark); longer or unknown: the tree kernel (which runs chain rows causally)."""
+    v2r, v2_step, core = _modules(monkeypatch)
+    runner, _ = make_runner("cpu", core, v2_step)
+    runner.speculator.chain_budget = 3
+    rt = v2r.V2DDTree(runner)
+    for q, marked in ((4, False), (1, False), (5, True), (None, True)):
+        md = SimpleNamespace(causal=True)
+        rt.mark(SimpleNamespace(max_query_len=q), {"model.layers.0.self_attn.attn": md},
+                for_capture=True)
+        assert hasattr(md, "ddtree") == marked, q
+    rt.chain_budget = 0  # off: every capture holds the tree kernel
+    md = SimpleNamespace(causal=True)
+    rt.mark(SimpleNamespace(max_query_len=1), {"model.layers.0.self_attn.attn": md}, True)
+    assert md.ddtree is rt.state
+
+
 def test_refusals(monkeypatch):
     v2r, v2_step, core = _modules(monkeypatch)
     runner, _ = make_runner("cpu", core, v2_step)
@@ -330,6 +406,11 @@ def test_fused_kernels_match_references():
     res = {}
     for fused in (False, True):
         batch = make_batch(dev)
+        chain = torch.full((12,), 99, dtype=torch.int64, device=dev)
+        v2_step.build_pack(chain, 4, batch.cu_num_logits, batch.query_start_loc,
+                           batch.positions, batch.idx_mapping, pl, trees.num_nodes, fused,
+                           chain=True)
+        assert chain.tolist() == [6, 0, 0, 0] + [-1] * 8
         pack = torch.full((12,), 99, dtype=torch.int64, device=dev)
         v2_step.build_pack(pack, 4, batch.cu_num_logits, batch.query_start_loc,
                            batch.positions, batch.idx_mapping, pl, trees.num_nodes, fused)

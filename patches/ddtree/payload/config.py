@@ -47,9 +47,13 @@ def ddtree_async_enabled(vllm_config) -> bool:
     flag = _env_flag("VLLM_DDTREE_ASYNC")
     if not (ASYNC_DEFAULT if flag is None else flag):
         return False
+    return _uses_v2(vllm_config)
+
+
+def _uses_v2(vllm_config) -> bool:
     try:  # 0.20.x has no V2 runner (no such property)
         return bool(getattr(vllm_config, "use_v2_model_runner", False))
-    except Exception:  # noqa: BLE001  (a config it cannot judge: stay synchronous)
+    except Exception:  # noqa: BLE001  (a config it cannot judge: say V1)
         return False
 
 
@@ -60,7 +64,8 @@ def ddtree_pre_init(spec) -> None:
     seeing method "dflash"; ``ddtree_budget`` (B) switches the tree on.
     """
     knobs = {k: getattr(spec, k) for k in ("ddtree_depth", "ddtree_synthetic",
-                                           "ddtree_budget_control", "ddtree_budgets")
+                                           "ddtree_budget_control", "ddtree_budgets",
+                                           "ddtree_chain_budget")
              if getattr(spec, k, None) is not None}
     if spec.method != METHOD:
         if knobs or getattr(spec, "ddtree_budget", None) is not None:
@@ -108,6 +113,22 @@ def ddtree_post_init(spec) -> None:
         raise ValueError("method='ddtree' needs the padded drafter batch "
                          "(disable_padded_drafter_batch=False)")
     check_budget_control(spec)
+    check_chain_budget(spec)
+
+
+def check_chain_budget(spec) -> None:
+    """ddtree_chain_budget: 1..min(L, B) (a chain of K drafts needs K drafter positions),
+    and not with the online controller (it chooses chains by itself, on V1)."""
+    c = getattr(spec, "ddtree_chain_budget", None)
+    if c is None:
+        return
+    top = min(spec.ddtree_depth, spec.ddtree_budget)
+    if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= top:
+        raise ValueError(f"ddtree_chain_budget must be a draft count in 1..{top} "
+                         f"(min(ddtree_depth, num_speculative_tokens)); got {c!r}")
+    if (getattr(spec, "ddtree_budget_control", None) or "off") == "auto":
+        raise ValueError("ddtree_chain_budget and ddtree_budget_control='auto' both "
+                         "choose chains: use one of them")
 
 
 def check_budget_control(spec) -> None:
@@ -217,6 +238,10 @@ def ddtree_vllm_config(vllm_config) -> None:
     refuse_parallelism(vllm_config.parallel_config)
     refuse_recurrent_target(vllm_config)
     spec = getattr(vllm_config, "speculative_config", None)
+    if getattr(spec, "ddtree_chain_budget", None) is not None and \
+            not _uses_v2(vllm_config):
+        raise ValueError("ddtree_chain_budget runs on vLLM's V2 model runner (the CUDA "
+                         "default of 0.32/0.33); this engine uses V1: drop the knob")
     if getattr(spec, "ddtree_budget_control", None) == "auto" and \
             vllm_config.parallel_config.tensor_parallel_size > 1 and \
             not os.environ.get("VLLM_DDTREE_COST_TABLE"):

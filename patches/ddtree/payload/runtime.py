@@ -77,6 +77,22 @@ class Stats:
                 siblings = (parents[i, :node] == parent).sum().item()
                 if siblings:
                     self.d["accepted_non_first_child"] += 1
+        self._write()
+
+    def observe_chain(self, drafts: torch.Tensor, num_acc: torch.Tensor) -> None:
+        """A chain step (ddtree_chain_budget): its drafts and accepts, apart from the
+        trees'."""
+        if self.path is None:
+            return
+        drafts, num_acc = drafts.cpu(), num_acc.cpu()
+        rows = drafts > 0
+        for k, v in (("chain_steps", 1), ("chain_rows", int(rows.sum())),
+                     ("chain_drafted", int(drafts.sum())),
+                     ("chain_accepted", int(num_acc[rows].sum()))):
+            self.d[k] = self.d.get(k, 0) + v
+        self._write()
+
+    def _write(self) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self.d, f)

@@ -16,6 +16,13 @@ Step order, all on the GPU without host syncs (v2_step.py):
              the accepted path's rows right after the root in the hidden states
              the drafter reads, its K/V compacted in every target KV cache, so
              DFlash's "first query_len - num_rejected rows" are the path.
+
+Chain steps (ddtree_chain_budget = C > 0): a verify step whose requests have at most
+C drafts each runs as the DFlash chain: linear positions, no tree mark (the backend's
+own causal kernel), a chain walk, no commit work.  The same rule, read from the
+capture's max query length, decides which FULL graphs hold the tree kernel: a graph
+captured for <= 1 + C query rows per request can only replay chain steps; any other
+graph holds the tree kernel, which runs a chain step's rows (has_tree = 0) causally.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import cuda_step, v2_step
@@ -40,6 +48,7 @@ class V2Step:
     n: int
     pack: torch.Tensor  # [3n] int64 [nd | prev | roots], see v2_step.py
     tree: DDTree  # walk view [n, B]: scheduled draft tokens, parents, nodes per row
+    chain: bool = False  # drafts verified as a chain (causal attention, no commit)
 
 
 def check_runner(runner) -> None:
@@ -115,6 +124,7 @@ class V2DDTree:
         spec = runner.speculative_config
         self.budget = spec.ddtree_budget
         self.speculator = runner.speculator
+        self.chain_budget = getattr(self.speculator, "chain_budget", 0) or 0
         self.depth = self.speculator.num_speculative_steps  # L drafter positions
         self.trees = self.speculator.trees
         dev = runner.device
@@ -149,11 +159,13 @@ class V2DDTree:
             return
         runner = self.runner
         n = input_batch.num_reqs
+        chain = self.chain_budget > 0 and \
+            int(np.diff(input_batch.cu_num_logits_np[: n + 1]).max()) - 1 <= self.chain_budget
         pack = self._pack[: 3 * n]
         v2_step.build_pack(pack, n, input_batch.cu_num_logits, input_batch.query_start_loc,
                            input_batch.positions, input_batch.idx_mapping,
                            runner.req_states.prefill_len.gpu, self.trees.num_nodes,
-                           self.fused)
+                           self.fused, chain)
         parents = self._wpar[: n * self.budget].view(n, self.budget)
         v2_step.prepare(pack, n, self.budget, self.trees, input_batch.positions,
                         self.state.has_tree, self.state.mask, parents, self.fused)
@@ -162,15 +174,19 @@ class V2DDTree:
         tree = DDTree(tokens=tokens, parents=parents, depths=None, num_nodes=pack[:n],
                       scores=None, ancestor_mask=None, position_offsets=None,
                       max_depth=self.depth, max_budget=self.budget)
-        self.step = V2Step(input_batch, n, pack, tree)
+        self.step = V2Step(input_batch, n, pack, tree, chain)
 
     def mark(self, input_batch, attn_metadata, for_capture: bool) -> None:
-        """model_state.prepare_attn: the target's metadata of a verify step, and of
-        every FULL-graph capture, points the backends at the TreeState."""
+        """model_state.prepare_attn: the target's metadata of a tree verify step, and
+        of every FULL-graph capture that may replay one, points the backends at the
+        TreeState."""
         if for_capture:
             self.state.has_tree.zero_()
             self._dirty = False
-        elif self.step is None or self.step.input_batch is not input_batch:
+            if self.chain_only(input_batch):
+                return
+        elif self.step is None or self.step.input_batch is not input_batch or \
+                self.step.chain:
             return
         if not isinstance(attn_metadata, dict):
             raise NotImplementedError("DDTree V2: per-microbatch attention metadata is "
@@ -187,6 +203,13 @@ class V2DDTree:
                 raise NotImplementedError(f"DDTree V2: the target layer {name} is not "
                                           "plain causal attention")
             md.ddtree = self.state
+
+    def chain_only(self, input_batch) -> bool:
+        """Can a graph captured for this batch replay only chain steps?  Yes iff its
+        max query length is known and <= 1 + chain_budget (the graph then keeps the
+        backend's own kernel)."""
+        q = getattr(input_batch, "max_query_len", None)
+        return self.chain_budget > 0 and q is not None and q <= 1 + self.chain_budget
 
     def _check_backends(self, draft) -> None:
         for groups in self.runner.attn_groups:
@@ -211,6 +234,10 @@ class V2DDTree:
         if step.input_batch is not input_batch:
             raise RuntimeError("DDTree V2: the drafter got another batch than the one "
                                "verified")
+        if step.chain:  # linear positions, the path is already in place
+            if walk is not None and self.stats.path is not None:
+                self.stats.observe_chain(step.pack[: step.n], walk.num_accepted)
+            return
         n, dev = step.n, step.pack.device
         rows, nacc, src, dst, start, neff = cuda_step.commit_views(
             walk, n, dev, self._src, self._dst, self._start, self._neff)

@@ -9,6 +9,9 @@ log-sum-exp of every position (K = min(B, vocab)) in fixed buffers; after it,
 ``propose`` builds the trees on the device (core.build_tree_from_topk, no host sync),
 stores them by request-state slot for the next verify step and returns the [N, B]
 tree tokens in pop order, which the runner writes to ``req_states.draft_tokens``.
+When the runner asks for k <= ddtree_chain_budget drafts (vLLM's budget per batch
+size), it returns the top-1 chain of the first k positions instead: no tree build, and
+the next verify step runs as the chain (v2_runtime.py).
 
 ``propose`` first commits the step just verified (V2DDTree.commit), so the DFlash
 context logic reads the accepted path.
@@ -41,6 +44,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                 "VLLM_DDTREE_V2=0 (or VLLM_USE_V2_MODEL_RUNNER=0), or drop the knob")
         self.ddtree_budget = spec.ddtree_budget  # read by _num_graph_context_tokens
         depth = min(spec.ddtree_depth, spec.ddtree_budget)
+        self.chain_budget = min(getattr(spec, "ddtree_chain_budget", None) or 0, depth)
         draft_spec = copy.copy(spec)
         draft_spec.num_speculative_tokens = depth
         cfg = copy.copy(vllm_config)
@@ -93,15 +97,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         if not dummy:
             self.runtime.commit(batch, a["last_hidden_states"], a["aux_hidden_states"])
         super().propose(*args, **kwargs)
-        if a.get("num_speculative_tokens") == 0:  # no drafts wanted (0.33: skip_drafts)
+        want = a.get("num_speculative_tokens")
+        if want == 0:  # no drafts wanted (0.33: skip_drafts)
             return torch.full((batch.num_reqs, self.ddtree_budget), -1, dtype=torch.int64,
                               device=self.device)
-        return self.build_trees(batch, store=not dummy)
+        return self.build_trees(batch, store=not dummy, want=want)
 
-    def build_trees(self, batch, store: bool) -> torch.Tensor:
-        """Trees from the kept top-K of this step's drafts (synthetic ones for profile
-        prompts); stored by slot unless ``store`` is False (dummy runs); returns the
-        [N, B] tokens in pop order."""
+    def kept(self, batch, store: bool):
+        """This step's kept top-K logits and token ids [N, L, K] and lse [N, L]
+        (synthetic distributions for profile prompts when ``store``)."""
         n = batch.num_reqs
         L, k = self.num_speculative_steps, self.topk
         vals = self._top_vals[: n * L].view(n, L, k)
@@ -109,6 +113,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         lse = self._lse[: n * L].view(n, L)
         if self.synthetic is not None and store:
             self._synthetic(batch, vals, idx, lse)
+        return vals, idx, lse
+
+    def build_trees(self, batch, store: bool, want: int | None = None) -> torch.Tensor:
+        """The [N, B] draft tokens: trees in pop order, stored by slot unless ``store``
+        is False (dummy runs); for ``want`` <= chain_budget drafts, the top-1 chain of
+        the first ``want`` positions (-1 after), nothing stored."""
+        vals, idx, lse = self.kept(batch, store)
+        if want is not None and 0 < want <= self.chain_budget:
+            return chain_tokens(vals, idx, want, self.ddtree_budget)
         tree = build_tree_from_topk(vals, idx, self.ddtree_budget, self.ddtree_budget, lse)
         if store:
             self.trees.store(batch.idx_mapping, tree)
@@ -131,3 +144,13 @@ class DDTreeSpeculator(DFlashSpeculator):
             rows = rows.to(vals.device)
             v, j = torch.topk(rows, self.topk, dim=-1, sorted=False)
             vals[i], idx[i], lse[i] = v, j, torch.logsumexp(rows, -1)
+
+
+def chain_tokens(vals: torch.Tensor, idx: torch.Tensor, k: int, width: int) -> torch.Tensor:
+    """[N, width] int64: the top-1 token of positions 0..k-1 (from the kept top-K
+    [N, L, K], in any order), -1 after."""
+    n = vals.shape[0]
+    out = torch.full((n, width), -1, dtype=torch.int64, device=vals.device)
+    best = vals[:, :k].argmax(-1, keepdim=True)
+    out[:, :k] = idx[:, :k].gather(-1, best).squeeze(-1)
+    return out

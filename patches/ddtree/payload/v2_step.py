@@ -9,7 +9,9 @@ batch row, without a host sync:
     reads): tree nodes verified (0: no tree), slot of the stored tree (-1: none), token
     row of the root (-1: none).  A row verifies a tree iff it has drafts and its root
     lies past the prompt (V2 treats draft rows of a step that starts inside the
-    prefill as placeholders and rejects them);
+    prefill as placeholders and rejects them).  A chain step (``chain``) verifies such
+    a row's drafts as a chain: nd = its drafts, prev = roots = -1 (linear positions,
+    causal attention, a chain walk, nothing to move);
   * ``prepare`` / ``commit``: cuda_step.prepare / commit (one Triton launch each) or
     their torch references here: tree positions, TreeState rows, walk parents; then
     positions back to linear and the accepted path's source/destination rows;
@@ -55,15 +57,16 @@ class SlotTrees:
 
 
 def build_pack_torch(pack, n, cu_num_logits, query_start_loc, positions, idx_mapping,
-                     prefill_len, stored_nodes) -> torch.Tensor:
+                     prefill_len, stored_nodes, chain: bool = False) -> torch.Tensor:
     cu = cu_num_logits[: n + 1].long()
     drafts = cu[1:] - cu[:-1] - 1
     root = query_start_loc[1: n + 1].long() - 1 - drafts
     slot = idx_mapping[:n].long()
     root_pos = positions[root.clamp(min=0)]
-    tree = (drafts > 0) & (root_pos >= prefill_len[slot].long())
-    nd = torch.minimum(drafts, stored_nodes[slot].long())
-    pack[:n] = torch.where(tree, nd, 0)
+    ok = (drafts > 0) & (root_pos >= prefill_len[slot].long())
+    tree = ok & (not chain)
+    nd = drafts if chain else torch.minimum(drafts, stored_nodes[slot].long())
+    pack[:n] = torch.where(ok, nd, 0)
     pack[n: 2 * n] = torch.where(tree, slot, -1)
     pack[2 * n: 3 * n] = torch.where(tree, root, -1)
     return pack
@@ -72,7 +75,8 @@ def build_pack_torch(pack, n, cu_num_logits, query_start_loc, positions, idx_map
 if HAS_TRITON:
 
     @triton.jit
-    def _pack_kernel(PACK, n, CU, QSL, POS, IDX, PREFILL, NODES, BLOCK: tl.constexpr):
+    def _pack_kernel(PACK, n, CU, QSL, POS, IDX, PREFILL, NODES, CHAIN: tl.constexpr,
+                     BLOCK: tl.constexpr):
         r = tl.arange(0, BLOCK)
         m = r < n
         c0 = tl.load(CU + r, mask=m, other=0).to(tl.int64)
@@ -82,21 +86,27 @@ if HAS_TRITON:
         slot = tl.load(IDX + r, mask=m, other=0).to(tl.int64)
         root_pos = tl.load(POS + tl.maximum(root, 0), mask=m, other=0)
         pre = tl.load(PREFILL + slot, mask=m, other=0)
-        tree = (drafts > 0) & (root_pos >= pre)
-        nd = tl.minimum(drafts, tl.load(NODES + slot, mask=m, other=0).to(tl.int64))
-        tl.store(PACK + r, tl.where(tree, nd, 0), mask=m)
+        ok = (drafts > 0) & (root_pos >= pre)
+        if CHAIN:
+            tree = ok & (drafts < 0)  # none
+            nd = drafts
+        else:
+            tree = ok
+            nd = tl.minimum(drafts, tl.load(NODES + slot, mask=m, other=0).to(tl.int64))
+        tl.store(PACK + r, tl.where(ok, nd, 0), mask=m)
         tl.store(PACK + n + r, tl.where(tree, slot, -1), mask=m)
         tl.store(PACK + 2 * n + r, tl.where(tree, root, -1), mask=m)
 
 
 def build_pack(pack, n, cu_num_logits, query_start_loc, positions, idx_mapping, prefill_len,
-               stored_nodes, fused: bool) -> torch.Tensor:
+               stored_nodes, fused: bool, chain: bool = False) -> torch.Tensor:
     """pack [>= 3n] int64 <- [nd | prev | roots] of the n batch rows (see module doc)."""
     if not fused:
         return build_pack_torch(pack, n, cu_num_logits, query_start_loc, positions,
-                                idx_mapping, prefill_len, stored_nodes)
+                                idx_mapping, prefill_len, stored_nodes, chain)
     _pack_kernel[(1,)](pack, n, cu_num_logits, query_start_loc, positions, idx_mapping,
-                       prefill_len, stored_nodes, BLOCK=max(2, next_pow2(n)), num_warps=4)
+                       prefill_len, stored_nodes, CHAIN=bool(chain),
+                       BLOCK=max(2, next_pow2(n)), num_warps=4)
     return pack
 
 
