@@ -115,10 +115,10 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
             spec["num_speculative_tokens_per_batch_size"] = per_batch_schedule(a.budget,
                                                                                chain)
             os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
-        if chain:
-            spec["ddtree_chain_budget"] = chain
         else:
             os.environ.pop("VLLM_DDTREE_V2_PER_BATCH", None)
+        if chain:
+            spec["ddtree_chain_budget"] = chain
         if sync:
             os.environ["VLLM_DDTREE_ASYNC"] = "0"
             kw["async_scheduling"] = False

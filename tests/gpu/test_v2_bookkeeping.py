@@ -50,7 +50,7 @@ class _SamplerOutput:
     num_rejected: torch.Tensor
 
 
-def _modules(monkeypatch):
+def _modules(monkeypatch, dev="cpu"):
     try:
         import vllm.v1.worker.gpu.input_batch  # noqa: F401
     except Exception:
@@ -66,7 +66,10 @@ def _modules(monkeypatch):
             for k, v in stubs.get(name, {}).items():
                 setattr(mod, k, v)
             monkeypatch.setitem(sys.modules, name, mod)
-    payload_module("v2_sampler")
+    sampler = payload_module("v2_sampler")
+    if dev == "cpu":  # vLLM's own helper is a CUDA Triton kernel where vLLM is installed
+        monkeypatch.setattr(sampler, "get_num_sampled_and_rejected",
+                            _num_sampled_and_rejected)
     return payload_module("v2_runtime"), payload_module("v2_step"), payload_module("core")
 
 
@@ -161,7 +164,7 @@ def deepest_path(tree, r):
 @pytest.mark.parametrize("dev", DEVS)
 def test_one_verify_step(dev, fused, monkeypatch):
     _fused_ok(dev, fused)
-    v2r, v2_step, core = _modules(monkeypatch)
+    v2r, v2_step, core = _modules(monkeypatch, dev)
     runner, tree = make_runner(dev, core, v2_step)
     rt = v2r.V2DDTree(runner)
     rt.fused = fused
@@ -268,7 +271,7 @@ def test_chain_step(dev, fused, monkeypatch):
     a chain (linear positions, no tree rows, no tree mark, a chain walk) and the commit
     moves nothing (rows, input ids, KV stay); budget < the drafts: the tree step."""
     _fused_ok(dev, fused)
-    v2r, v2_step, core = _modules(monkeypatch)
+    v2r, v2_step, core = _modules(monkeypatch, dev)
     runner, tree = make_runner(dev, core, v2_step)
     runner.speculator.chain_budget = 5
     rt = v2r.V2DDTree(runner)
@@ -365,7 +368,7 @@ def test_refusals(monkeypatch):
 def test_sampled_walk_is_seeded_per_request(dev, monkeypatch):
     """T > 0: the same request with the same seed at the same positions samples the
     same path whatever else is in the batch; another seed samples differently."""
-    v2r, v2_step, core = _modules(monkeypatch)
+    v2r, v2_step, core = _modules(monkeypatch, dev)
     fused = v2_step.use_fused(dev)
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(12, V, generator=g) * 0.7).to(dev)
