@@ -321,8 +321,11 @@ def use_synthetic_v2(runner, kind, synth):
         call = {"next_token_ids": last[batch.idx_mapping, 0]}
         return synth.logits(runner, call, batch.num_reqs, depth, meta)
 
+    # one profile at a time: wrap the unwrapped methods (a wrapper of the previous
+    # profile's wrapper would overwrite this profile's distributions with its own)
     if kind == "ddtree":
-        orig = spec.kept  # the kept top-K that trees and chain steps both read
+        orig = spec.__dict__.get("_unwrapped_kept") or spec.kept
+        spec._unwrapped_kept = orig  # the kept top-K that trees and chain steps read
 
         def kept(batch, store):
             if store:
@@ -336,7 +339,8 @@ def use_synthetic_v2(runner, kind, synth):
 
         spec.kept = kept
     elif kind == "chain":
-        orig = spec.propose
+        orig = spec.__dict__.get("_unwrapped_propose") or spec.propose
+        spec._unwrapped_propose = orig
 
         def propose(*a, **k):
             out = orig(*a, **k)

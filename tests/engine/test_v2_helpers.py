@@ -120,7 +120,7 @@ def main() -> None:
     # -------- drafter side of the previous step: trees for slots 2 and 1
     spec = object.__new__(v2s.DDTreeSpeculator)  # no model: build_trees only
     spec.num_speculative_steps, spec.topk, spec.ddtree_budget = L, B, B
-    spec.synthetic, spec.chain_budget = None, 0
+    spec.synthetic, spec.chain_budget, spec._chain_at = None, 0, None
     spec.trees = v2_step.SlotTrees(R, B, "cpu")
     spec._top_vals = torch.zeros(R * L, B)
     spec._top_idx = torch.zeros(R * L, B, dtype=torch.int64)
@@ -130,6 +130,24 @@ def main() -> None:
     draft[0, 0, 3] = draft[0, 0, 4] = 5.0  # two likely first tokens: real siblings
     draft[1, 1, 9] = float("nan")  # a broken drafter entry never enters a tree
     spec.compute_draft_logits = lambda h, _: h  # sample_draft's own top-K + lse pass
+
+    # -------- batch sizes whose budget is a chain draft as DFlash does (V2's own
+    # sample_draft: argmax), kept as a top-1 (the other columns -inf)
+    sched = SimpleNamespace(num_speculative_tokens_per_batch_size=[[1, 2, 6], [3, 8, 3]],
+                            ddtree_budget=6)
+    assert v2s.chain_batch_sizes(sched, 4, 3) == [False, False, False, True, True]
+    assert v2s.chain_batch_sizes(sched, 4, 0) is None
+    sched.num_speculative_tokens_per_batch_size = None  # one budget B: chain iff B <= C
+    assert v2s.chain_batch_sizes(sched, 2, 3) == [False] * 3
+    assert v2s.chain_batch_sizes(sched, 2, 6) == [True] * 3
+    spec._chain_at = [False, False, True]
+    spec.use_local_argmax_reduction, spec.acceptance_estimator = False, None
+    got = spec.sample_draft(draft.reshape(2 * L, V), None, None, None, None, None, None)
+    assert torch.equal(got.view(-1), draft.reshape(2 * L, V).argmax(-1))
+    assert torch.equal(spec._top_idx[: 2 * L, 0], got.view(-1))
+    assert spec._top_vals[: 2 * L, 0].eq(0).all() and spec._lse[: 2 * L].eq(0).all()
+    assert spec._top_vals[: 2 * L, 1:].eq(float("-inf")).all()
+    spec._chain_at = [False, False, False]  # a tree batch size: the top-K pass
     spec.sample_draft(draft.reshape(2 * L, V))
     ref = torch.where(draft.isnan(), float("-inf"), draft).reshape(2 * L, V)
     assert torch.equal(spec._top_vals[: 2 * L], ref.topk(B, dim=-1).values)

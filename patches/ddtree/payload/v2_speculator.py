@@ -11,7 +11,10 @@ stores them by request-state slot for the next verify step and returns the [N, B
 tree tokens in pop order, which the runner writes to ``req_states.draft_tokens``.
 When the runner asks for k <= ddtree_chain_budget drafts (vLLM's budget per batch
 size), it returns the top-1 chain of the first k positions instead: no tree build, and
-the next verify step runs as the chain (v2_runtime.py).
+the next verify step runs as the chain (v2_runtime.py).  A draft step (and its graph,
+keyed by the request count) for a batch size whose budget is a chain samples as
+DFlash does (its argmax, no top-K pass); the kept top-K is then that token alone, so a
+tree asked of such a step (a padded graph) is that chain, still exact.
 
 ``propose`` first commits the step just verified (V2DDTree.commit), so the DFlash
 context logic reads the accepted path.
@@ -61,6 +64,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._top_idx = torch.zeros(rows, self.topk, dtype=torch.int64, device=device)
         self._lse = torch.zeros(rows, dtype=torch.float32, device=device)
         self.trees = SlotTrees(self.max_num_reqs, spec.ddtree_budget, device)
+        self._chain_at = chain_batch_sizes(spec, self.max_num_reqs, self.chain_budget)
         self.runtime = None  # V2DDTree, set when the runner builds it
         self.synthetic = None
         if spec.ddtree_synthetic:
@@ -74,9 +78,18 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def sample_draft(self, hidden_states, *args, **kwargs):
         """Runs inside the draft step (and its CUDA graph): keep each position's top-K
-        logits and log-sum-exp; the returned tokens are not used."""
+        logits and log-sum-exp; the returned tokens are not used.  Batch sizes whose
+        budget is a chain: DFlash's own sampling, kept as a top-1."""
+        m = hidden_states.shape[0]
+        if self._chain_at is not None and self._chain_at[min(
+                m // max(self.num_speculative_steps, 1), len(self._chain_at) - 1)]:
+            tokens = super().sample_draft(hidden_states, *args, **kwargs)
+            self._top_idx[:m, 0].copy_(tokens.view(-1))
+            self._top_vals[:m, 0].zero_()
+            self._top_vals[:m, 1:].fill_(float("-inf"))
+            self._lse[:m].zero_()
+            return tokens
         logits = self.compute_draft_logits(hidden_states, 0)
-        m = logits.shape[0]
         # one pass for top-K and lse (fused Triton for K <= 128 on CUDA); NaN / inf
         # drafter entries count as -inf, so they never enter a tree
         vals, idx, lse = vocab_topk(logits, self.topk)
@@ -144,6 +157,21 @@ class DDTreeSpeculator(DFlashSpeculator):
             rows = rows.to(vals.device)
             v, j = torch.topk(rows, self.topk, dim=-1, sorted=False)
             vals[i], idx[i], lse[i] = v, j, torch.logsumexp(rows, -1)
+
+
+def chain_batch_sizes(spec, max_reqs: int, chain_budget: int) -> list[bool] | None:
+    """[max_reqs + 1]: does a batch of n requests draft a chain (its budget, from
+    vLLM's num_speculative_tokens_per_batch_size, is <= chain_budget)?  None: never."""
+    if chain_budget <= 0:
+        return None
+    sched = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+    if not sched:
+        return [spec.ddtree_budget <= chain_budget] * (max_reqs + 1)
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    lookup = build_dynamic_sd_schedule_lookup(sched, vllm_max_batch_size=max_reqs,
+                                              vllm_num_speculative_tokens=spec.ddtree_budget)
+    return [0 < k <= chain_budget for k in lookup]
 
 
 def chain_tokens(vals: torch.Tensor, idx: torch.Tensor, k: int, width: int) -> torch.Tensor:
