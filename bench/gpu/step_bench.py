@@ -330,11 +330,19 @@ def use_synthetic_v2(runner, kind, synth):
         def kept(batch, store):
             if store:
                 n, depth = batch.num_reqs, spec.num_speculative_steps
-                vals, idx, lse = vocab_topk(logits(batch, depth).view(n * depth, -1),
-                                            spec.topk)
-                spec._top_vals[: n * depth].copy_(vals)
-                spec._top_idx[: n * depth].copy_(idx)
-                spec._lse[: n * depth].copy_(lse)
+                lg = logits(batch, depth).view(n * depth, -1)
+                chain = spec._chain_at
+                if chain is not None and chain[min(n, len(chain) - 1)]:
+                    # a chain batch size: what sample_draft keeps there (argmax only)
+                    spec._top_idx[: n * depth, 0].copy_(lg.argmax(-1))
+                    spec._top_vals[: n * depth, 0].zero_()
+                    spec._top_vals[: n * depth, 1:].fill_(float("-inf"))
+                    spec._lse[: n * depth].zero_()
+                else:
+                    vals, idx, lse = vocab_topk(lg, spec.topk)
+                    spec._top_vals[: n * depth].copy_(vals)
+                    spec._top_idx[: n * depth].copy_(idx)
+                    spec._lse[: n * depth].copy_(lse)
             return orig(batch, store)
 
         spec.kept = kept
@@ -393,6 +401,8 @@ def run_config(name, out_dir, res):
             if n > 1 and pname not in ("p80", "-") and not E2E_ALL:
                 continue
             toks = C.prompts(n, PROMPT, 1000, 100000, seed=100 + n)
+            # warm-up (compiles for these shapes), other prompts: no prefix-cache hits
+            C.generate(llm, C.prompts(n, PROMPT, 1000, 100000, seed=900 + n), E2E_NEW // 4)
             hooks.reset()
             outs, dt = C.generate(llm, toks, E2E_NEW)
             # decode steps (no prompt chunk: <= 1 + B rows per request); request-steps

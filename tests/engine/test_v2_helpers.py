@@ -135,11 +135,15 @@ def main() -> None:
     # sample_draft: argmax), kept as a top-1 (the other columns -inf)
     sched = SimpleNamespace(num_speculative_tokens_per_batch_size=[[1, 2, 6], [3, 8, 3]],
                             ddtree_budget=6)
-    assert v2s.chain_batch_sizes(sched, 4, 3) == [False, False, False, True, True]
-    assert v2s.chain_batch_sizes(sched, 4, 0) is None
-    sched.num_speculative_tokens_per_batch_size = None  # one budget B: chain iff B <= C
-    assert v2s.chain_batch_sizes(sched, 2, 3) == [False] * 3
-    assert v2s.chain_batch_sizes(sched, 2, 6) == [True] * 3
+    spec._budget_at = v2s.budgets_by_batch_size(sched, 4)
+    assert spec._budget_at == [6, 6, 6, 3, 3]
+    spec.max_num_tokens = 1000
+    # draft graphs keep 1 + K context rows per request; the largest batch: the most
+    assert [spec._num_graph_context_tokens(n) for n in (1, 2, 3, 4)] == [7, 14, 12, 16]
+    spec.max_num_tokens = 13
+    assert spec._num_graph_context_tokens(2) == 13
+    sched.num_speculative_tokens_per_batch_size = None  # one budget B
+    assert v2s.budgets_by_batch_size(sched, 2) == [6, 6, 6]
     spec._chain_at = [False, False, True]
     spec.use_local_argmax_reduction, spec.acceptance_estimator = False, None
     got = spec.sample_draft(draft.reshape(2 * L, V), None, None, None, None, None, None)

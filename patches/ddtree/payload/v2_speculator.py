@@ -45,9 +45,11 @@ class DDTreeSpeculator(DFlashSpeculator):
             raise NotImplementedError(
                 "ddtree_budget_control='auto' runs on the V1 runner only for now: set "
                 "VLLM_DDTREE_V2=0 (or VLLM_USE_V2_MODEL_RUNNER=0), or drop the knob")
-        self.ddtree_budget = spec.ddtree_budget  # read by _num_graph_context_tokens
+        self.ddtree_budget = spec.ddtree_budget
         depth = min(spec.ddtree_depth, spec.ddtree_budget)
         self.chain_budget = min(getattr(spec, "ddtree_chain_budget", None) or 0, depth)
+        # read by _num_graph_context_tokens (from DFlashSpeculator.__init__ on)
+        self._budget_at = budgets_by_batch_size(spec, vllm_config.scheduler_config.max_num_seqs)
         draft_spec = copy.copy(spec)
         draft_spec.num_speculative_tokens = depth
         cfg = copy.copy(vllm_config)
@@ -64,7 +66,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._top_idx = torch.zeros(rows, self.topk, dtype=torch.int64, device=device)
         self._lse = torch.zeros(rows, dtype=torch.float32, device=device)
         self.trees = SlotTrees(self.max_num_reqs, spec.ddtree_budget, device)
-        self._chain_at = chain_batch_sizes(spec, self.max_num_reqs, self.chain_budget)
+        self._chain_at = None if not self.chain_budget else \
+            [0 < k <= self.chain_budget for k in self._budget_at]
         self.runtime = None  # V2DDTree, set when the runner builds it
         self.synthetic = None
         if spec.ddtree_synthetic:
@@ -73,8 +76,16 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.synthetic = SyntheticDrafter.load(spec.ddtree_synthetic)
 
     def _num_graph_context_tokens(self, num_reqs: int) -> int:
-        # a verify step has 1 + B target rows per request: keep them all in the graph
-        return min(num_reqs * (self.ddtree_budget + 1), self.max_num_tokens)
+        """Context rows a captured draft step stores: a verify step has 1 + K target
+        rows per request, K = the budget of its batch size (rows past them are stored
+        eagerly before the replay); the largest count for the largest batch (it sizes
+        the staging buffer)."""
+        ks = self._budget_at
+        if num_reqs >= len(ks) - 1:
+            rows = max(n * (k + 1) for n, k in enumerate(ks))
+        else:
+            rows = num_reqs * (ks[max(num_reqs, 1)] + 1)
+        return min(rows, self.max_num_tokens)
 
     def sample_draft(self, hidden_states, *args, **kwargs):
         """Runs inside the draft step (and its CUDA graph): keep each position's top-K
@@ -159,19 +170,18 @@ class DDTreeSpeculator(DFlashSpeculator):
             vals[i], idx[i], lse[i] = v, j, torch.logsumexp(rows, -1)
 
 
-def chain_batch_sizes(spec, max_reqs: int, chain_budget: int) -> list[bool] | None:
-    """[max_reqs + 1]: does a batch of n requests draft a chain (its budget, from
-    vLLM's num_speculative_tokens_per_batch_size, is <= chain_budget)?  None: never."""
-    if chain_budget <= 0:
-        return None
+def budgets_by_batch_size(spec, max_reqs: int) -> list[int]:
+    """[max_reqs + 1]: the drafts a batch of n requests verifies (vLLM's lookup of
+    num_speculative_tokens_per_batch_size; B without one); index 0 unused (B)."""
+    b = spec.ddtree_budget
     sched = getattr(spec, "num_speculative_tokens_per_batch_size", None)
     if not sched:
-        return [spec.ddtree_budget <= chain_budget] * (max_reqs + 1)
+        return [b] * (max_reqs + 1)
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
     lookup = build_dynamic_sd_schedule_lookup(sched, vllm_max_batch_size=max_reqs,
-                                              vllm_num_speculative_tokens=spec.ddtree_budget)
-    return [0 < k <= chain_budget for k in lookup]
+                                              vllm_num_speculative_tokens=b)
+    return [b] + [min(k, b) if k > 0 else b for k in lookup[1:]]
 
 
 def chain_tokens(vals: torch.Tensor, idx: torch.Tensor, k: int, width: int) -> torch.Tensor:
