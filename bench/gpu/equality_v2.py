@@ -20,11 +20,14 @@ runner (VLLM_USE_V2_MODEL_RUNNER=1, VLLM_DDTREE_V2=1):
                 scheduling (run 6 proved it with the former --async-row)
   ddtree_per_batch  with --per-batch-row: the budget per batch size through vLLM's
                 dynamic speculative decoding (B, B/2, B/4 for 1-2, 3-5, 6+ requests;
-                a FULL graph per budget; VLLM_DDTREE_V2_PER_BATCH=1)
+                a FULL graph per budget)
   ddtree_chain  with --chain-row: a budget per batch size whose large batches are
                 chains (B, B/2, L for 1-2, 3-5, 6+ requests, ddtree_chain_budget = L):
                 chain steps (the backend's causal kernel in their own FULL graphs, top-1
                 drafts, no compaction) and tree steps in one run, as requests finish
+  ddtree_default  with --default-row: DDTree's own V2 default (no schedule given:
+                B for 1-2 requests, chain steps of L from 3 on); the other rows pin
+                ddtree_chain_budget (0: B for every batch size)
   dflash        bfloat16 only: the DFlash chain (L drafts) as a control; a bf16
                 difference the chain shows too is rounding, not the tree
 
@@ -60,7 +63,7 @@ import common as C  # noqa: E402  (sets the offline / in-process defaults)
 
 N_PROMPTS, MAX_TOKENS = 8, 48
 ROWS = ("ddtree", "ddtree_swa", "ddtree_eager", "ddtree_sync", "ddtree_per_batch",
-        "ddtree_chain", "dflash")
+        "ddtree_chain", "ddtree_default", "dflash")
 SWA_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
 
@@ -88,7 +91,8 @@ def per_batch_schedule(b: int, chain: int = 0) -> list[list[int]]:
 
 
 def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str = "",
-           sync: bool = False, per_batch: bool = False, chain: int = 0):
+           sync: bool = False, per_batch: bool = False, chain: int = 0,
+           default: bool = False):
     from vllm import LLM
 
     kw = dict(model=m["target"], skip_tokenizer_init=True, dtype=a.dtype, seed=0,
@@ -111,13 +115,10 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
         if profile:
             spec["ddtree_synthetic"] = profile
         kw["speculative_config"] = spec
-        if per_batch:
+        if per_batch and not default:
             spec["num_speculative_tokens_per_batch_size"] = per_batch_schedule(a.budget,
                                                                                chain)
-            os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
-        else:
-            os.environ.pop("VLLM_DDTREE_V2_PER_BATCH", None)
-        if chain:
+        if not default:  # 0: a fixed budget (no default budget per batch size)
             spec["ddtree_chain_budget"] = chain
         if sync:
             os.environ["VLLM_DDTREE_ASYNC"] = "0"
@@ -279,9 +280,9 @@ def checks(name: str, r: dict, a) -> list[str]:
         elif name == "ddtree_per_batch" and w.get("drafted", 0) > 0.75 * a.budget * w["trees"]:
             bad.append(f"budgets per batch size not applied: {w.get('drafted')} nodes in "
                        f"{w['trees']} trees")
-        if name == "ddtree_chain" and not w.get("chain_steps"):
+        if name in ("ddtree_chain", "ddtree_default") and not w.get("chain_steps"):
             bad.append("no chain step ran (ddtree_chain_budget)")
-        elif name != "ddtree_chain" and w.get("chain_steps"):
+        elif name not in ("ddtree_chain", "ddtree_default") and w.get("chain_steps"):
             bad.append(f"{w['chain_steps']} chain steps without ddtree_chain_budget")
         bad += metric_problems(r.get("metrics") or {}, w, min(a.depth, a.budget))
     if a.attn not in b.get("backends", []):
@@ -328,6 +329,8 @@ def main(argv=None) -> int:
                     help="also DDTree with a budget per batch size (dynamic SD)")
     ap.add_argument("--chain-row", action="store_true",
                     help="also DDTree with chains at large batches (ddtree_chain_budget)")
+    ap.add_argument("--default-row", action="store_true",
+                    help="also DDTree's default budget per batch size on V2")
     a = ap.parse_args(argv)
     a.dtype = a.dtype or ("bfloat16" if a.attn == "FLASH_ATTN" else "float32")
     tie = 1e-3 if a.dtype == "float32" else 0.05
@@ -364,6 +367,10 @@ def main(argv=None) -> int:
         run("ddtree_chain", res, out, a, m, toks, "ddtree", not a.graphs,
             drafter=m["drafter"], profile=profile, per_batch=True,
             chain=min(a.depth, a.budget))
+    if a.default_row:
+        run("ddtree_default", res, out, a, m, toks, "ddtree", not a.graphs,
+            drafter=m["drafter"], profile=profile, default=True,
+            per_batch=True, chain=min(a.depth, a.budget - 1))  # (capture sizes only)
     if a.dtype != "float32":
         run("dflash", res, out, a, m, toks, "dflash", not a.graphs, drafter=m["drafter"])
 

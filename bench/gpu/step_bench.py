@@ -28,7 +28,7 @@ with random safetensors written here (draft_load_config: safetensors).
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
     CONFIG: nospec | chain15 | chain15async | ddtree<B>[pb|chain][async]
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
-    decoding, VLLM_DDTREE_V2_PER_BATCH=1 on V2; chain: budget B for 1-2 requests, a
+    decoding; chain: budget B for 1-2 requests, a
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, V2 only)
 
 With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
@@ -125,9 +125,8 @@ def engine(spec: dict, **llm_kw):
             sc.update(method="ddtree", ddtree_depth=L)
             if spec.get("per_batch"):
                 sc["num_speculative_tokens_per_batch_size"] = spec["per_batch"]
-                os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
-            if spec.get("chain"):
-                sc["ddtree_chain_budget"] = spec["chain"]
+            if V2:  # pinned: 0 = B for every batch size (not DDTree's V2 default)
+                sc["ddtree_chain_budget"] = spec.get("chain", 0)
             # pinned either way: on V2 DDTree keeps vLLM's async default unless told not to
             asy = bool(spec.get("async_sched"))
             os.environ["VLLM_DDTREE_ASYNC"] = "1" if asy else "0"

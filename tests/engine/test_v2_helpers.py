@@ -350,34 +350,30 @@ def main() -> None:
 
 
 def _check_runner_refusals(v2r, spec) -> None:
-    """check_runner on a runner that is fine but for vLLM's dynamic speculative decoding
-    (budget per batch size): refused on V2 until VLLM_DDTREE_V2_PER_BATCH=1."""
+    """check_runner accepts vLLM's dynamic speculative decoding (budget per batch size,
+    proven on the H200: bench/RESULTS.md run 7) and still refuses what it cannot do."""
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
     ms = object.__new__(DefaultModelState)
     ms.rope_state = None
     per_batch = [[1, 1, 8], [2, 256, 4]]
     sc = types.SimpleNamespace(enable_adaptive_verification=False,
-                         uses_dynamic_speculative_decoding=lambda: bool(per_batch))
+                               uses_dynamic_speculative_decoding=lambda: bool(per_batch))
     cfg = types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1,
-                                        prefill_context_parallel_size=1,
-                                        decode_context_parallel_size=1),
+                                              prefill_context_parallel_size=1,
+                                              decode_context_parallel_size=1),
         speculative_config=sc, model_config=types.SimpleNamespace(logits_processors=None),
         cache_config=types.SimpleNamespace())
-    runner = types.SimpleNamespace(vllm_config=cfg, device="cuda", speculator=spec, model_state=ms)
-    os.environ.pop("VLLM_DDTREE_V2_PER_BATCH", None)
+    runner = types.SimpleNamespace(vllm_config=cfg, device="cuda", speculator=spec,
+                                   model_state=ms)
+    v2r.check_runner(runner)  # a budget per batch size: nothing to refuse
+    sc.enable_adaptive_verification = True
     try:
         v2r.check_runner(runner)
-        raise AssertionError("dynamic speculative decoding was not refused on V2")
+        raise AssertionError("adaptive verification was not refused on V2")
     except NotImplementedError as e:
-        assert "num_speculative_tokens_per_batch_size" in str(e) and \
-            "VLLM_DDTREE_V2_PER_BATCH=1" in str(e), e
-    os.environ["VLLM_DDTREE_V2_PER_BATCH"] = "1"
-    v2r.check_runner(runner)  # opted in: nothing else to refuse
-    per_batch.clear()
-    os.environ.pop("VLLM_DDTREE_V2_PER_BATCH")
-    v2r.check_runner(runner)  # a static budget: nothing to refuse
+        assert "adaptive verification" in str(e), e
 
 
 def speculator_main(target: str, drafter: str, mixed: str) -> None:
@@ -412,10 +408,21 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
 
     # ddtree_chain_budget: V2 only, 1..min(L, B)
     refused("V2 model runner", drafter, chain=2)
-    refused("must be a draft count in 1..3", drafter, chain=4, VLLM_DDTREE_V2="1")
-    refused("must be a draft count in 1..3", drafter, chain=0, VLLM_DDTREE_V2="1")
+    refused("or a draft count in 1..3", drafter, chain=4, VLLM_DDTREE_V2="1")
+    refused("or a draft count in 1..3", drafter, chain=-1, VLLM_DDTREE_V2="1")
     assert config(drafter, chain=3, VLLM_DDTREE_V2="1").speculative_config \
         .ddtree_chain_budget == 3
+    # DDTree's V2 default: trees at 1-2 requests, chains of min(L, B - 1) from 3 on,
+    # a schedule vLLM's own lookup reads; 0 keeps B for every batch size
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    sc = config(drafter, VLLM_DDTREE_V2="1").speculative_config
+    assert sc.ddtree_chain_budget == 3 and sc.uses_dynamic_speculative_decoding()
+    assert build_dynamic_sd_schedule_lookup(sc.num_speculative_tokens_per_batch_size, 4,
+                                            8) == [0, 8, 8, 3, 3]
+    sc = config(drafter, chain=0, VLLM_DDTREE_V2="1").speculative_config
+    assert sc.num_speculative_tokens_per_batch_size is None
+    assert config(drafter).speculative_config.num_speculative_tokens_per_batch_size is None
 
     for draft in (drafter, mixed):
         assert config(draft).use_v2_model_runner is False  # DDTree keeps V1 by default
@@ -426,7 +433,7 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
     except ValueError as e:
         assert "VLLM_DDTREE_V2=1" in str(e), e
 
-    cfg = config(mixed, chain=2, VLLM_USE_V2_MODEL_RUNNER="1", VLLM_DDTREE_V2="1")
+    cfg = config(mixed, VLLM_USE_V2_MODEL_RUNNER="1", VLLM_DDTREE_V2="1")
     assert cfg.use_v2_model_runner and cfg.speculative_config.num_speculative_tokens == 8
     torch.accelerator.empty_cache = lambda: None  # model loading on a CPU-only torch
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -444,7 +451,9 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
         assert spec.num_speculative_steps == 3 and spec.num_query_per_req == 4
         assert spec.draft_tokens.shape == (4, 3) and spec.sample_col.shape == (12,)
         assert spec._top_vals.shape == (12, 8) and spec.trees.parents.shape == (4, 8)
-        assert spec.chain_budget == 2
+        assert spec.chain_budget == 3 and spec._budget_at == [8, 8, 8, 3, 3]
+        assert spec._chain_at == [False, False, False, True, True]
+        assert [spec._num_graph_context_tokens(n) for n in (1, 2, 3, 4)] == [9, 18, 12, 18]
         assert spec.vllm_config.speculative_config is cfg.speculative_config
         assert cfg.speculative_config.num_speculative_tokens == 8  # untouched
         spec.load_model(get_model(vllm_config=cfg))

@@ -243,6 +243,60 @@ def test_budget_control_and_a_per_batch_schedule_are_refused_together(config_mod
     config_module.check_budget_control(spec)  # and so is the controller alone
 
 
+def _engine_cfg(v2=True, **spec):
+    base = dict(ddtree_budget=32, ddtree_depth=7, ddtree_chain_budget=None,
+                num_speculative_tokens_per_batch_size=None, ddtree_budget_control=None)
+    return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=None),
+                           parallel_config=SimpleNamespace(pipeline_parallel_size=1,
+                                                           tensor_parallel_size=1),
+                           model_config=None, use_v2_model_runner=v2,
+                           speculative_config=SimpleNamespace(**{**base, **spec}))
+
+
+@pytest.mark.parametrize("given,want_sched,want_chain", [
+    ({}, [[1, 2, 32], [3, 1 << 16, 7]], 7),            # DDTree's V2 default
+    ({"ddtree_budget": 6}, [[1, 2, 6], [3, 1 << 16, 5]], 5),  # B <= L: chains of B - 1
+    ({"ddtree_budget": 1}, None, None),                 # no chain shorter than B
+    ({"ddtree_chain_budget": 0}, None, 0),              # 0: B for every batch size
+    ({"ddtree_chain_budget": 3}, None, 3),              # the user's chain budget
+    ({"num_speculative_tokens_per_batch_size": [[1, 8, 16]]}, [[1, 8, 16]], None),
+    ({"ddtree_budget_control": "auto"}, None, None),
+])
+def test_v2_default_budget_per_batch_size(config_module, monkeypatch, given, want_sched,
+                                          want_chain):
+    """On V2 without a schedule DDTree verifies trees at 1-2 requests and chains from
+    3 on; anything the user set about budgets is kept as given."""
+    sys.modules["vllm"].envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
+    monkeypatch.delenv("VLLM_DDTREE_ASYNC", raising=False)
+    cfg = _engine_cfg(**given)
+    config_module.ddtree_vllm_config(cfg)
+    spec = cfg.speculative_config
+    assert spec.num_speculative_tokens_per_batch_size == want_sched
+    assert spec.ddtree_chain_budget == want_chain
+
+
+def test_chain_budget_is_checked_and_v2_only(config_module, monkeypatch):
+    sys.modules["vllm"].envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
+    cfg = _engine_cfg(v2=False)
+    config_module.ddtree_vllm_config(cfg)  # V1: no default schedule
+    assert cfg.speculative_config.num_speculative_tokens_per_batch_size is None
+    cfg = _engine_cfg(v2=False, ddtree_chain_budget=0)
+    config_module.ddtree_vllm_config(cfg)  # 0 (off) is fine anywhere
+    with pytest.raises(ValueError, match="V2 model runner"):
+        config_module.ddtree_vllm_config(_engine_cfg(v2=False, ddtree_chain_budget=3))
+    spec = _engine_cfg().speculative_config
+    for bad in (8, -1, True, 2.0, "3"):
+        spec.ddtree_chain_budget = bad
+        with pytest.raises(ValueError, match="must be 0 .no chain steps. or a draft count"):
+            config_module.check_chain_budget(spec)
+    for ok in (None, 0, 1, 7):
+        spec.ddtree_chain_budget = ok
+        config_module.check_chain_budget(spec)
+    spec.ddtree_chain_budget, spec.ddtree_budget_control = 3, "auto"
+    with pytest.raises(ValueError, match="both choose chains"):
+        config_module.check_chain_budget(spec)
+
+
 # ------------------------------------------------------------------ through the CLI
 
 

