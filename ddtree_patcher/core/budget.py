@@ -321,30 +321,42 @@ def batch_schedule(cost: CostTable, tau: dict, max_batch: int, chain_tau: float 
     tau: {budget: tokens a request emits per step with that budget} (accepted + bonus,
     e.g. 1 + accepted / trees from a VLLM_DDTREE_STATS_FILE run); per batch size N the
     budget maximising tau[b] / tree_ms(N, b + 1) wins (ties: the smaller budget).  With
-    chain_tau (the DFlash chain's tokens per step at k = chain_k) each row also carries
-    the expected tokens/s of DDTree over the chain: below 1 the chain is the better choice
-    at that batch size, which a budget schedule cannot express.  Returns {"schedule":
-    [[first N, last N, budget], ...], "rows": [{"n", "budget", "ms", "vs_chain"}, ...]}.
+    chain_tau (the DFlash chain's tokens per step at k = chain_k) the chain competes too:
+    where the best tree's expected tokens/s is below the chain's, that batch size gets
+    chain steps (budget chain_k with ``ddtree_chain_budget`` = chain_k on the V2 runner,
+    which cost what the chain costs); tree budgets <= chain_k are then not candidates
+    (they would run as chains).  Returns {"schedule": [[first N, last N, budget], ...],
+    "ddtree_chain_budget": chain_k or None, "rows": [{"n", "budget", "ms", "vs_chain",
+    "chain"}, ...]} (vs_chain: the best tree's tokens/s over the chain's).
     """
     tau = {int(b): float(t) for b, t in tau.items()}
     if not tau or any(b < 1 or t <= 0 for b, t in tau.items()):
         raise ValueError(f"tau must map budgets >= 1 to tokens per step > 0, got {tau}")
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    rows, sched = [], []
+    if chain_tau:
+        tau = {b: t for b, t in tau.items() if b > chain_k}
+        if not tau:
+            raise ValueError(f"with a chain of {chain_k}, tree budgets must exceed it")
+    rows, sched, chained = [], [], False
     for n in range(1, max_batch + 1):
         # ms per emitted token, smallest wins (ties: the smaller budget)
         _, b = min((cost.tree_ms(n, b + 1) / t, b) for b, t in tau.items())
-        row = {"n": n, "budget": b, "ms": round(cost.tree_ms(n, b + 1), 4)}
+        row = {"n": n, "budget": b, "ms": round(cost.tree_ms(n, b + 1), 4), "chain": False}
         if chain_tau:
-            row["vs_chain"] = round(tau[b] / row["ms"] /
-                                    (chain_tau / cost.chain_ms(n, chain_k + 1)), 4)
+            chain_ms = cost.chain_ms(n, chain_k + 1)
+            row["vs_chain"] = round(tau[b] / row["ms"] / (chain_tau / chain_ms), 4)
+            if row["vs_chain"] < 1:
+                row.update(budget=chain_k, ms=round(chain_ms, 4), chain=True)
+                chained = True
         rows.append(row)
+        b = row["budget"]
         if sched and sched[-1][2] == b:
             sched[-1][1] = n
         else:
             sched.append([n, n, b])
-    return {"schedule": sched, "rows": rows}
+    return {"schedule": sched, "ddtree_chain_budget": chain_k if chained else None,
+            "rows": rows}
 
 
 def control_mode(spec) -> str:
@@ -378,7 +390,10 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(out, indent=1))
+    try:
+        print(json.dumps(out, indent=1))
+    except BrokenPipeError:  # `| head`: the reader left
+        return 0
     return 0
 
 

@@ -289,11 +289,20 @@ def test_batch_schedule_picks_the_best_budget_per_batch_size():
 
     table = CostTable({1: {17: 10.0, 65: 10.0}, 8: {17: 12.0, 65: 40.0}},
                       chain={1: 9.0, 8: 10.0})
+    out = batch_schedule(table, {16: 4.0, 64: 6.0}, 10)
+    assert out["schedule"] == [[1, 2, 64], [3, 10, 16]] and out["ddtree_chain_budget"] is None
+    # with the chain's tau the chain competes: where it is faster, chain steps (k = 15)
     out = batch_schedule(table, {16: 4.0, 64: 6.0}, 10, chain_tau=3.6)
-    assert out["schedule"] == [[1, 2, 64], [3, 10, 16]]
     rows = {r["n"]: r for r in out["rows"]}
     assert rows[1]["vs_chain"] == round((6.0 / 10.0) / (3.6 / 9.0), 4)  # 1.5
-    assert rows[10]["budget"] == 16 and rows[10]["vs_chain"] < 1  # the chain wins there
+    assert not rows[1]["chain"] and rows[1]["budget"] == 64
+    assert rows[10]["chain"] and rows[10]["budget"] == 15 and rows[10]["vs_chain"] < 1
+    first_chain = min(n for n, r in rows.items() if r["chain"])
+    assert out["schedule"][-1] == [first_chain, 10, 15]
+    assert out["ddtree_chain_budget"] == 15
+    assert all(r["budget"] in (16, 64) for r in rows.values() if not r["chain"])
+    with pytest.raises(ValueError, match="must exceed"):  # trees <= the chain: chains
+        batch_schedule(table, {8: 4.0}, 3, chain_tau=3.6)
     assert batch_schedule(table, {16: 4.0}, 3)["schedule"] == [[1, 3, 16]]
     for bad in ({}, {0: 3.0}, {16: 0.0}):
         with pytest.raises(ValueError):
@@ -302,7 +311,7 @@ def test_batch_schedule_picks_the_best_budget_per_batch_size():
 
 def test_schedule_cli_on_the_run6_v2_step_table(capsys):
     """The measured V2 step table of run 6 with p80-like acceptance: B = 64 for one or
-    two requests, smaller trees from there on; errors exit 2 with a message."""
+    two requests, chain steps from where trees stop paying; errors exit 2."""
     from pathlib import Path
 
     from ddtree_patcher.core.budget import main
@@ -311,7 +320,9 @@ def test_schedule_cli_on_the_run6_v2_step_table(capsys):
     assert main(["schedule", str(res), "--tau", "16=4.7,32=5.2,64=6.0", "--chain-tau", "4.5",
                  "--max-batch", "16"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["schedule"][0] == [1, 2, 64] and out["schedule"][-1][2] == 16
+    assert out["schedule"][0] == [1, 2, 64] and out["schedule"][-1][1:] == [16, 15]
+    assert out["ddtree_chain_budget"] == 15
     assert out["rows"][0]["vs_chain"] > 1 > out["rows"][-1]["vs_chain"]
+    assert not out["rows"][0]["chain"] and out["rows"][-1]["chain"]
     assert main(["schedule", str(res), "--tau", "16=x"]) == 2
     assert "error:" in capsys.readouterr().err
