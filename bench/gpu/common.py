@@ -140,13 +140,18 @@ def prompts(n: int, length: int, lo: int, hi: int, seed: int = 0) -> list[list[i
     return [torch.randint(lo, hi, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def generate(llm, toks: list[list[int]], max_tokens: int, margins: bool = False):
-    """Greedy outputs and seconds; margins=True also returns, per prompt and step, the
-    top-1 minus top-2 logprob (needs logprobs, so not with method 'ddtree')."""
+def generate(llm, toks: list[list[int]], max_tokens, margins: bool = False):
+    """Greedy outputs and seconds; max_tokens: one for all or one per prompt;
+    margins=True also returns, per prompt and step, the top-1 minus top-2 logprob
+    (needs logprobs, so not with method 'ddtree')."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        detokenize=False, logprobs=2 if margins else None)
+    def params(m):
+        return SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True,
+                              detokenize=False, logprobs=2 if margins else None)
+
+    sp = [params(m) for m in max_tokens] if isinstance(max_tokens, list) else \
+        params(max_tokens)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in toks], sp, use_tqdm=False)
     dt = time.perf_counter() - t0

@@ -106,7 +106,10 @@ def engine(spec: dict, **llm_kw):
     from vllm.config import LoadConfig
 
     k = spec["k"]
-    batches = sorted(set(BATCHES + E2E_BATCHES))
+    # every batch size up to the largest end-to-end one: a draining batch then replays
+    # its own graphs (with only 1/4/16/32, a tree step at 2 requests replays the graph
+    # of 4 and the drafter of 2-3 requests runs eagerly)
+    batches = sorted(set(BATCHES + list(range(1, max(E2E_BATCHES, default=0) + 1))))
     sizes = [n * (1 + k) for n in batches]
     if V2 and spec["kind"] == "ddtree":  # V2 captures the drafter: 1 + L per request
         sizes = sorted(set(sizes + [n * (1 + min(L, k)) for n in batches]))
@@ -400,8 +403,11 @@ def run_config(name, out_dir, res):
             if n > 1 and pname not in ("p80", "-") and not E2E_ALL:
                 continue
             toks = C.prompts(n, PROMPT, 1000, 100000, seed=100 + n)
-            # warm-up (compiles for these shapes), other prompts: no prefix-cache hits
-            C.generate(llm, C.prompts(n, PROMPT, 1000, 100000, seed=900 + n), E2E_NEW // 4)
+            # warm-up, other prompts (no prefix-cache hits), staggered lengths: the batch
+            # drains one request at a time, so every batch size below n (and its Triton
+            # specialisations: n == 1, n % 16 == 0, other) compiles before the timed run
+            C.generate(llm, C.prompts(n, PROMPT, 1000, 100000, seed=900 + n),
+                       [8 + 4 * i for i in range(n)])
             hooks.reset()
             outs, dt = C.generate(llm, toks, E2E_NEW)
             # decode steps (no prompt chunk: <= 1 + B rows per request); request-steps
