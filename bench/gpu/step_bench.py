@@ -108,7 +108,7 @@ def engine(spec: dict, **llm_kw):
     k = spec["k"]
     # every batch size up to the largest end-to-end one: a draining batch then replays
     # its own graphs (with only 1/4/16/32, a tree step at 2 requests replays the graph
-    # of 4 and the drafter of 2-3 requests runs eagerly)
+    # captured for 4)
     batches = sorted(set(BATCHES + list(range(1, max(E2E_BATCHES, default=0) + 1))))
     sizes = [n * (1 + k) for n in batches]
     if V2 and spec["kind"] == "ddtree":  # V2 captures the drafter: 1 + L per request
