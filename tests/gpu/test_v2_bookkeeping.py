@@ -9,6 +9,7 @@ The three vLLM helpers the sampler imports are stubbed here with torch versions 
 their V2 semantics when vLLM is not importable (the dev env has no vLLM); the real
 ones run in tests/engine/test_v2_helpers.py."""
 
+import json
 import sys
 import types
 from dataclasses import dataclass
@@ -266,7 +267,7 @@ def test_one_verify_step(dev, fused, monkeypatch):
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dev", DEVS)
-def test_chain_step(dev, fused, monkeypatch):
+def test_chain_step(dev, fused, monkeypatch, tmp_path):
     """ddtree_chain_budget >= the step's drafts per request: the drafts are verified as
     a chain (linear positions, no tree rows, no tree mark, a chain walk) and the commit
     moves nothing (rows, input ids, KV stay); budget < the drafts: the tree step."""
@@ -274,6 +275,8 @@ def test_chain_step(dev, fused, monkeypatch):
     v2r, v2_step, core = _modules(monkeypatch, dev)
     runner, tree = make_runner(dev, core, v2_step)
     runner.speculator.chain_budget = 5
+    stats = tmp_path / "stats.json"
+    monkeypatch.setenv("VLLM_DDTREE_STATS_FILE", str(stats))
     rt = v2r.V2DDTree(runner)
     rt.fused = fused
     rt.prepare(make_batch(dev))
@@ -320,6 +323,10 @@ def test_chain_step(dev, fused, monkeypatch):
     assert torch.equal(batch.input_ids, ids_before)
     assert torch.equal(batch.positions[:14], batch.linear)
     assert rt.step is None and rt.walk is None
+    # counted apart from trees: one chain step, one row with drafts, 6 drafted, 2 accepted
+    got = json.loads(stats.read_text())
+    assert (got["chain_steps"], got["chain_rows"], got["chain_drafted"],
+            got["chain_accepted"], got["trees"]) == (1, 1, 6, 2, 0)
 
 
 def test_chain_graphs_keep_the_backend_kernel(monkeypatch):
