@@ -2,7 +2,8 @@
 
     python bench/gpu/report.py RESULTS_DIR [PLOT_DIR]
 RESULTS_DIR holds step_bench.json, equality.json, kernel_bench.json (from run_all.sh) and
-optionally repeat/r*.json (the repeat stage: alternating fresh processes).
+optionally repeat/r*.json (the repeat stage: alternating fresh processes) and
+v2repeat/r*/step_bench.json (the v2repeat stage: the same on V2, with end-to-end runs).
 """
 
 from __future__ import annotations
@@ -51,9 +52,20 @@ def step_tables(sb) -> str:
     return "\n".join(out)
 
 
+def _base(runs: list) -> str:
+    """The chain config the rounds ran: chain15async (V2) or chain15."""
+    return "chain15async" if any("chain15async" in r for r in runs) else "chain15"
+
+
+def _median(xs):
+    ok = sorted(x for x in xs if x)
+    return ok[len(ok) // 2] if ok else None
+
+
 def repeat_table(runs: list) -> str:
     """Rounds of alternating fresh processes: step ms per config and the ratio to the
-    same round's chain15."""
+    same round's chain (chain15async if the rounds ran it, else chain15)."""
+    base = _base(runs)
     names = [k for k in runs[0] if "steps" in runs[0][k]]
     batches = sorted({int(n) for r in runs for k in names for n in r.get(k, {}).get("steps", {})})
     out = ["| config | N | " + " | ".join(f"round {i + 1} ms (/ chain)" for i in range(len(runs)))
@@ -64,7 +76,7 @@ def repeat_table(runs: list) -> str:
             ms, ratios = [], []
             for r in runs:
                 s = r.get(k, {}).get("steps", {}).get(str(n), {}).get("step_ms")
-                c = r.get("chain15", {}).get("steps", {}).get(str(n), {}).get("step_ms")
+                c = r.get(base, {}).get("steps", {}).get(str(n), {}).get("step_ms")
                 ms.append(s)
                 ratios.append(s / c if s and c else None)
             ok = sorted(x for x in ms if x)
@@ -72,6 +84,32 @@ def repeat_table(runs: list) -> str:
             cells = " | ".join(f"{fmt(m)} ({fmt(q)})" for m, q in zip(ms, ratios))
             out.append(f"| {k} | {n} | {cells} | {fmt(ok[len(ok) // 2] if ok else None)} | "
                        f"{fmt(okr[len(okr) // 2] if okr else None)} |")
+    return "\n".join(out)
+
+
+def e2e_repeat_table(runs: list) -> str:
+    """Rounds of fresh processes, end to end: tokens/s per config, profile and batch,
+    each round's ratio to the same round's chain, and the medians."""
+    base = _base(runs)
+    names = sorted({k for r in runs for k in r if r[k].get("e2e")})
+    cells = sorted({c for r in runs for k in names for c in r[k]["e2e"]},
+                   key=lambda c: (c.rsplit("_N", 1)[0], int(c.rsplit("_N", 1)[1])))
+    out = ["| config | cell | " + " | ".join(f"round {i + 1} tok/s (/ chain)"
+                                            for i in range(len(runs)))
+           + " | median tok/s | median ratio |", "| --- | --- |" + " ---: |" * (len(runs) + 2)]
+    for k in names:
+        for cell in cells:
+            tps, ratios = [], []
+            for r in runs:
+                e = r.get(k, {}).get("e2e", {}).get(cell, {}).get("tok_per_s")
+                c = r.get(base, {}).get("e2e", {}).get(cell, {}).get("tok_per_s")
+                tps.append(e)
+                ratios.append(e / c if e and c else None)
+            if not any(tps):
+                continue
+            row = " | ".join(f"{fmt(t, 0)} ({fmt(q)})" for t, q in zip(tps, ratios))
+            out.append(f"| {k} | {cell} | {row} | {fmt(_median(tps), 0)} | "
+                       f"{fmt(_median(ratios))} |")
     return "\n".join(out)
 
 
@@ -219,6 +257,15 @@ def main():
     if rep:
         print("\n### Repeated step time (fresh process per config and round)\n")
         print(repeat_table([load(os.path.join(d, "repeat"), f) for f in rep]))
+    v2 = os.path.join(d, "v2repeat")
+    rounds = [load(os.path.join(v2, r), "step_bench.json")
+              for r in sorted(os.listdir(v2))] if os.path.isdir(v2) else []
+    rounds = [r for r in rounds if r]
+    if rounds:
+        print("\n### V2, repeated (fresh process per config and round): step time\n")
+        print(repeat_table(rounds))
+        print("\n### V2, repeated: end to end\n")
+        print(e2e_repeat_table(rounds))
     if kb:
         print("\n### Tree kernel vs FA3\n")
         print(kernel_table(kb))

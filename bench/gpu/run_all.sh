@@ -3,7 +3,7 @@
 # 0.20.2 bundle in /tmp/vb).  Every stage has its own timeout and writes under $OUT,
 # so a stage that fails or runs out of time leaves the others' results.
 #   bash bench/gpu/run_all.sh            (env: OUT, STAGES="tests sweep eq v2eq splitbench core gdn
-#                                         kernel bench v2bench repeat tp",
+#                                         kernel bench v2bench repeat v2repeat tp",
 #                                         BENCH_CONFIGS, T_TESTS, T_EQ, T_KERNEL, T_BENCH,
 #                                         GPU_PATCH: the overlay of patched files, made by
 #                                         bench/gpu/make_overlay.py; default .gpu-patch)
@@ -114,6 +114,18 @@ for s in $STAGES; do
           grep -E " N [0-9]+ step ms" "$OUT/repeat_r${i}_$c.txt" | cut -c1-60
         done
       done ;;
+    v2repeat)  # V2: alternating fresh processes, step table + end to end, R rounds
+      stamp v2repeat
+      for i in $(seq "${REPEATS:-3}"); do
+        for c in ${V2REPEAT_CONFIGS:-chain15async ddtree64chainasync}; do
+          VLLM_USE_V2_MODEL_RUNNER=1 VLLM_DDTREE_V2=1 BENCH_BATCHES=${V2REPEAT_BATCHES:-1,4,16,32} \
+            BENCH_E2E_BATCHES=${V2REPEAT_E2E:-1,2,4,16,32} BENCH_E2E_ALL=1 timeout "$(left ${T_V2REPEAT:-200})" \
+            python3 "$HERE/step_bench.py" "$OUT/v2repeat/r$i" "$c" > "$OUT/v2repeat_r${i}_$c.txt" 2>&1
+          grep -E " N [0-9]+ step ms|e2e" "$OUT/v2repeat_r${i}_$c.txt" | cut -c1-110
+        done
+      done
+      python3 "$HERE/report.py" "$OUT" > "$OUT/v2repeat_report.md" 2>&1
+      sed -n '/V2, repeated/,$p' "$OUT/v2repeat_report.md" | head -80 ;;
   esac
 done
 stamp done

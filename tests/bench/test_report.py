@@ -1,0 +1,38 @@
+"""bench/gpu/report.py's tables from repeated rounds (the v2repeat stage): per config the
+rounds, each round's ratio to the same round's chain, and the medians."""
+
+import importlib.util
+from pathlib import Path
+
+REPORT = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "report.py"
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("bench_report", REPORT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _round(chain_ms, tree_ms, chain_tps, tree_tps):
+    return {"chain15async": {"steps": {"4": {"step_ms": chain_ms}},
+                             "e2e": {"p80_N4": {"tok_per_s": chain_tps}}},
+            "ddtree64chainasync": {"steps": {"4": {"step_ms": tree_ms}},
+                                   "e2e": {"p80_N4": {"tok_per_s": tree_tps}}}}
+
+
+def test_repeat_tables_take_ratios_per_round_and_medians():
+    r = _report()
+    runs = [_round(7.0, 7.7, 2000, 1800), _round(8.0, 8.0, 2000, 2200),
+            _round(7.5, 7.5, 1000, 1000)]
+    steps = r.repeat_table(runs).splitlines()
+    row = next(x for x in steps if x.startswith("| ddtree64chainasync | 4 |"))
+    assert "7.70 (1.10)" in row and row.endswith("| 7.70 | 1.00 |")  # medians of 3
+    e2e = r.e2e_repeat_table(runs).splitlines()
+    row = next(x for x in e2e if x.startswith("| ddtree64chainasync | p80_N4 |"))
+    assert "1800 (0.90)" in row and "2200 (1.10)" in row
+    assert row.endswith("| 1800 | 1.00 |")
+    # V1 rounds name their chain chain15
+    v1 = [{"chain15": {"steps": {"1": {"step_ms": 2.0}}},
+           "ddtree64": {"steps": {"1": {"step_ms": 3.0}}}}]
+    assert "3.00 (1.50)" in r.repeat_table(v1)
