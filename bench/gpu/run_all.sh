@@ -115,8 +115,9 @@ for s in $STAGES; do
         done
       done ;;
     v2repeat)  # V2: alternating fresh processes, step table + end to end, R rounds
+      # (V2REPEAT_ROUNDS="2 3": round ids, to spread rounds over calls on one machine)
       stamp v2repeat
-      for i in $(seq "${REPEATS:-3}"); do
+      for i in ${V2REPEAT_ROUNDS:-$(seq "${REPEATS:-3}")}; do
         for c in ${V2REPEAT_CONFIGS:-chain15async ddtree64chainasync}; do
           VLLM_USE_V2_MODEL_RUNNER=1 VLLM_DDTREE_V2=1 BENCH_BATCHES=${V2REPEAT_BATCHES:-1,4,16,32} \
             BENCH_E2E_BATCHES=${V2REPEAT_E2E:-1,2,4,16,32} BENCH_E2E_ALL=1 timeout "$(left ${T_V2REPEAT:-200})" \
