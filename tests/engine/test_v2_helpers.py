@@ -10,7 +10,9 @@ them and DDTree's code in between:
   get_num_sampled_and_rejected) -> post_update (V2) -> V2DDTree.commit (positions,
   path rows, heads_packed KV) -> prepare_dflash_inputs (V2's DFlash: the drafter's
   context must be the accepted path, its queries must start after the bonus token)
-  -> DDTreeSpeculator.build_trees (trees stored by slot, tokens in pop order).
+  -> DDTreeSpeculator.build_trees (trees stored by slot, tokens in pop order); then
+  the next step as a chain step (ddtree_chain_budget): chain drafts, linear positions,
+  V2's sampled / rejected counts, no commit work, DFlash's context = the prefix.
 
 Batch: a verify step whose accepted path goes through a later sibling, a prefill
 chunk, and a verify step whose drafts the scheduler cut to 4 of the tree's 6 nodes.
@@ -344,6 +346,81 @@ def main() -> None:
     assert torch.equal(chain[:, :2], top1[:, :2]) and chain[:, 2:].eq(-1).all()
     assert torch.equal(spec.trees.parents, stored)
     assert torch.equal(spec.build_trees(batch, store=False, want=3), want.tokens)
+
+    # -------- the next verify step as a chain step (ddtree_chain_budget = 2): the two
+    # decode requests (slots 2 and 1) with those chain drafts, through V2's helpers
+    draft_tokens[idx] = chain
+    idx2_np = np.array([2, 1])
+    idx2 = torch.tensor(idx2_np)
+    qlen2, nd2 = np.array([3, 3]), np.array([2, 2])
+    qsl2_np = np.array([0, 3, 6], dtype=np.int32)
+    cu2_np = np.array([0, 3, 6], dtype=np.int32)
+    buf2 = InputBuffers(R, T, torch.device("cpu"))
+    buf2.query_start_loc[:3] = torch.from_numpy(qsl2_np)
+    qsl2, cu2 = buf2.query_start_loc[:3], torch.from_numpy(cu2_np)
+    prepare_prefill_inputs(buf2.input_ids, next_prefill, idx2, qsl2, all_ids, prefill_len,
+                           computed)
+    prepare_pos_seq_lens(idx2, qsl2, computed, buf2.positions, buf2.seq_lens)
+    p2 = 11 + a0  # slot 2's bonus token position
+    assert buf2.positions[:6].tolist() == [p2, p2 + 1, p2 + 2, 9, 10, 11]
+    li2 = combine_sampled_and_draft_tokens(buf2.input_ids, idx2, last_sampled, qsl2,
+                                           buf2.seq_lens, prefill_len, draft_tokens, cu2, 6)
+    e_idx2, e_pos2 = expand_idx_mapping(idx2, 6, cu2, B + 1)
+    batch2 = InputBatch(
+        req_ids=["a", "c"], num_reqs=2, num_reqs_after_padding=2, idx_mapping=idx2,
+        idx_mapping_np=idx2_np, expanded_idx_mapping=e_idx2, expanded_local_pos=e_pos2,
+        num_scheduled_tokens=qlen2, num_tokens=6, num_tokens_after_padding=6,
+        num_draft_tokens=4, num_draft_tokens_per_req=nd2, query_start_loc=qsl2,
+        query_start_loc_np=qsl2_np, seq_lens=buf2.seq_lens[:2],
+        seq_lens_cpu_upper_bound=torch.tensor([p2 + 3, 12]), dcp_local_seq_lens=None,
+        num_computed_tokens_np=computed.numpy()[idx2_np],
+        prefill_len_np=prefill_len.numpy()[idx2_np],
+        num_computed_prefill_tokens_np=np.array([5, 3]),
+        is_prefilling_np=np.array([False, False]), has_prefill=False,
+        decode_graph_eligible=True, input_ids=buf2.input_ids[:6],
+        positions=buf2.positions[:6], is_padding=buf2.is_padding[:6], logits_indices=li2,
+        cu_num_logits=cu2, cu_num_logits_np=cu2_np, has_structured_output_reqs=False,
+        prompt_lens=None)
+    ch_a, ch_c = chain[0, :2].tolist(), chain[2, :2].tolist()
+    assert batch2.input_ids.tolist() == [bonus0, *ch_a, bonus2, *ch_c]
+    rt.chain_budget = 2
+    rt.prepare(batch2)
+    assert rt.step.chain and rt.state.has_tree.tolist() == [0, 0, 0, 0]
+    assert buf2.positions[:6].tolist() == [p2, p2 + 1, p2 + 2, 9, 10, 11]  # linear
+    md = SimpleNamespace(causal=True)
+    rt.mark(batch2, {"model.layers.0.self_attn.attn": md}, False)
+    assert not hasattr(md, "ddtree")  # the backend's own causal attention
+    logits2 = torch.randn(6, V) * 0.1
+    bonus_a = next(t for t in range(V) if t not in ch_a)
+    bonus_c = next(t for t in range(V) if t != ch_c[0])
+    logits2[0, ch_a[0]], logits2[1, ch_a[1]], logits2[2, bonus_a] = 9, 9, 9  # both taken
+    logits2[3, bonus_c] = 9  # the other chain's first draft is rejected
+    out2 = rt.sampler(logits2, batch2)
+    assert out2.sampled_token_ids[0, :3].tolist() == [*ch_a, bonus_a]
+    assert out2.sampled_token_ids[1, :2].tolist() == [bonus_c, -1]
+    assert out2.num_sampled.tolist() == [3, 1] and out2.num_rejected.tolist() == [0, 2]
+    post_update(idx2, computed, last_sampled, None, out2.sampled_token_ids,
+                out2.num_sampled, out2.num_rejected, qsl2, all_ids, total_len)
+    assert computed.tolist() == [3, 10, p2 + 3, 0]
+    assert all_ids[2, p2 + 1: p2 + 4].tolist() == [*ch_a, bonus_a]
+    kv_before = [c.clone() for c in targets]
+    hid2 = [h.clone() for h in hid]
+    rt.commit(batch2, None, hid2)  # a chain step: nothing to move
+    assert all(torch.equal(c, c0) for c, c0 in zip(targets, kv_before))
+    assert all(torch.equal(h, h0) for h, h0 in zip(hid2, hid))
+    assert buf2.positions[:6].tolist() == [p2, p2 + 1, p2 + 2, 9, 10, 11]
+    dbuf2 = InputBuffers(R, T, torch.device("cpu"))
+    qslots2, cpos2, cslots2 = (torch.zeros(T, dtype=torch.int64) for _ in range(3))
+    prepare_dflash_inputs(dbuf2, qslots2, cpos2, cslots2, s_idx, s_pos, s_map,
+                          torch.zeros(R), torch.zeros(R, dtype=torch.int64), batch2,
+                          out2.num_sampled, out2.num_rejected, last_sampled, next_prefill,
+                          torch.zeros(R), torch.zeros(R, dtype=torch.int64), tables[idx2],
+                          BS, 0, 1, 1, V - 1, 1 + L, L, R, T, MAXLEN)
+    assert cpos2[:4].tolist() == [p2, p2 + 1, p2 + 2, 9]  # accepted prefixes, linear
+    assert cslots2[:4].ge(0).all() and cslots2[4:6].eq(-1).all()  # rejected drafts
+    q2 = dbuf2.positions[: 2 * (1 + L)].view(2, 1 + L)
+    assert q2[:, 0].tolist() == [p2 + 3, 10]  # queries start at the bonus tokens
+    assert dbuf2.input_ids[0] == bonus_a and dbuf2.input_ids[1 + L] == bonus_c
     spec.chain_budget = 0
     _check_runner_refusals(v2r, spec)
     print(OK)
