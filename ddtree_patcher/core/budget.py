@@ -327,7 +327,9 @@ def batch_schedule(cost: CostTable, tau: dict, max_batch: int, chain_tau: float 
     which cost what the chain costs); tree budgets <= chain_k are then not candidates
     (they would run as chains).  Returns {"schedule": [[first N, last N, budget], ...],
     "ddtree_chain_budget": chain_k or None, "rows": [{"n", "budget", "ms", "vs_chain",
-    "chain"}, ...]} (vs_chain: the best tree's tokens/s over the chain's).
+    "chain"}, ...], "speculative_config": the keys to set} (vs_chain: the best
+    tree's tokens/s over the chain's; ddtree_chain_budget 0 there: no chain steps, and
+    not DDTree's V2 default).
     """
     tau = {int(b): float(t) for b, t in tau.items()}
     if not tau or any(b < 1 or t <= 0 for b, t in tau.items()):
@@ -355,8 +357,12 @@ def batch_schedule(cost: CostTable, tau: dict, max_batch: int, chain_tau: float 
             sched[-1][1] = n
         else:
             sched.append([n, n, b])
-    return {"schedule": sched, "ddtree_chain_budget": chain_k if chained else None,
-            "rows": rows}
+    chain_budget = chain_k if chained else 0
+    # the keys to put into speculative_config (method "ddtree", model: your drafter)
+    config = {"num_speculative_tokens": max(tau), "num_speculative_tokens_per_batch_size":
+              sched, "ddtree_chain_budget": chain_budget}
+    return {"schedule": sched, "ddtree_chain_budget": chain_budget or None,
+            "speculative_config": config, "rows": rows}
 
 
 def control_mode(spec) -> str:

@@ -291,6 +291,7 @@ def test_batch_schedule_picks_the_best_budget_per_batch_size():
                       chain={1: 9.0, 8: 10.0})
     out = batch_schedule(table, {16: 4.0, 64: 6.0}, 10)
     assert out["schedule"] == [[1, 2, 64], [3, 10, 16]] and out["ddtree_chain_budget"] is None
+    assert out["speculative_config"]["ddtree_chain_budget"] == 0  # trees only, pinned
     # with the chain's tau the chain competes: where it is faster, chain steps (k = 15)
     out = batch_schedule(table, {16: 4.0, 64: 6.0}, 10, chain_tau=3.6)
     rows = {r["n"]: r for r in out["rows"]}
@@ -300,6 +301,9 @@ def test_batch_schedule_picks_the_best_budget_per_batch_size():
     first_chain = min(n for n, r in rows.items() if r["chain"])
     assert out["schedule"][-1] == [first_chain, 10, 15]
     assert out["ddtree_chain_budget"] == 15
+    assert out["speculative_config"] == {"num_speculative_tokens": 64,
+                                         "num_speculative_tokens_per_batch_size":
+                                         out["schedule"], "ddtree_chain_budget": 15}
     assert all(r["budget"] in (16, 64) for r in rows.values() if not r["chain"])
     with pytest.raises(ValueError, match="must exceed"):  # trees <= the chain: chains
         batch_schedule(table, {8: 4.0}, 3, chain_tau=3.6)
