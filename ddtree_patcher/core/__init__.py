@@ -25,7 +25,8 @@ vocab_topk(x [..., V], k, with_lse=True, impl='auto') -> (values, ids, lse)
     One fused pass (two Triton launches on CUDA): top k by (value desc, id asc) and
     the float32 logsumexp; impl='torch' is the reference.
 build_chain_from_topk(vals, idx, max_budget, lse) -> DDTree
-    The drafter's top-1 chain (DFlash's argmax drafts) as a chain-shaped DDTree.
+    The drafter's top-1 chain (DFlash's argmax drafts) as a chain-shaped DDTree;
+    top1(vals, idx) -> (tokens [N, L], columns): just its tokens (the V2 chain step).
 graphed.GraphedBuild(max_budget)(draft) -> Build(tree, vals, idx, lse, chain_scores)
     The per-step build replayed from a CUDA graph per batch bucket.
 budget.BudgetController: the cost-aware budget (per step: a tree size or the chain).
@@ -66,6 +67,7 @@ from .tree_build import (
     canonical_topk,
     chain_scores,
     quantize_logprobs,
+    top1,
 )
 from .vocab_topk import row_logsumexp, vocab_topk
 from .tree_walk import WalkResult, masses, walk_greedy, walk_sampled
@@ -81,7 +83,7 @@ def __getattr__(name):  # the heapq oracle is not copied into vLLM: import it on
 
 __all__ = [
     "HAS_TRITON", "gdn_tree", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "chain_scores", "vocab_topk",
-    "row_logsumexp", "ancestor_mask", "canonical_topk",
+    "row_logsumexp", "ancestor_mask", "canonical_topk", "top1",
     "quantize_logprobs", "WalkResult",
     "walk_greedy", "walk_sampled", "masses", "target_probs", "apply_top_k_top_p", "compact_kv",
     "compact_kv_slots", "compaction_slots", "token_view", "LAYOUTS",

@@ -455,10 +455,17 @@ def chain_scores(vals: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor | None
     return _float_scores(_chain(vals, idx, lse)[1])
 
 
+def top1(vals: torch.Tensor, idx: torch.Tensor):
+    """(token ids [N, L] int64, their column [N, L, 1]) of the top-1 per position of a
+    kept top-K [N, L, K] in any order: largest value, ties to the lower id (DFlash's
+    argmax draft)."""
+    best = order_keys(vals, idx).argmax(-1, keepdim=True)
+    return idx.gather(-1, best).squeeze(-1).to(torch.int64), best
+
+
 def _chain(vals, idx, lse):
     """(tokens, int64 prefix scores (S_NEG when excluded), valid) of the top-1 chain."""
-    best = order_keys(vals, idx).argmax(-1, keepdim=True)
-    tok = idx.gather(-1, best).squeeze(-1).to(torch.int64)
+    tok, best = top1(vals, idx)
     lp = vals.gather(-1, best).squeeze(-1).float()
     q = quantize_logprobs(lp if lse is None else lp - lse.float())
     ok = torch.cumprod((q > Q_NEG).to(torch.int64), 1) > 0

@@ -139,6 +139,7 @@ def main() -> None:
                             ddtree_budget=6)
     spec._budget_at = v2s.budgets_by_batch_size(sched, 4)
     assert spec._budget_at == [6, 6, 6, 3, 3]
+    spec._max_context = 16  # what __init__ keeps: max of n * (K + 1)
     spec.max_num_tokens = 1000
     # draft graphs keep 1 + K context rows per request; the largest batch: the most
     assert [spec._num_graph_context_tokens(n) for n in (1, 2, 3, 4)] == [7, 14, 12, 16]

@@ -29,7 +29,7 @@ import torch
 
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from .core import build_tree_from_topk
+from .core import build_tree_from_topk, top1
 from .core.vocab_topk import vocab_topk
 from .v2_step import SlotTrees
 
@@ -50,6 +50,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.chain_budget = min(getattr(spec, "ddtree_chain_budget", None) or 0, depth)
         # read by _num_graph_context_tokens (from DFlashSpeculator.__init__ on)
         self._budget_at = budgets_by_batch_size(spec, vllm_config.scheduler_config.max_num_seqs)
+        self._max_context = max(n * (k + 1) for n, k in enumerate(self._budget_at))
         draft_spec = copy.copy(spec)
         draft_spec.num_speculative_tokens = depth
         cfg = copy.copy(vllm_config)
@@ -81,10 +82,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         eagerly before the replay); the largest count for the largest batch (it sizes
         the staging buffer)."""
         ks = self._budget_at
-        if num_reqs >= len(ks) - 1:
-            rows = max(n * (k + 1) for n, k in enumerate(ks))
-        else:
-            rows = num_reqs * (ks[max(num_reqs, 1)] + 1)
+        rows = self._max_context if num_reqs >= len(ks) - 1 else \
+            num_reqs * (ks[max(num_reqs, 1)] + 1)
         return min(rows, self.max_num_tokens)
 
     def sample_draft(self, hidden_states, *args, **kwargs):
@@ -185,10 +184,8 @@ def budgets_by_batch_size(spec, max_reqs: int) -> list[int]:
 
 
 def chain_tokens(vals: torch.Tensor, idx: torch.Tensor, k: int, width: int) -> torch.Tensor:
-    """[N, width] int64: the top-1 token of positions 0..k-1 (from the kept top-K
-    [N, L, K], in any order), -1 after."""
-    n = vals.shape[0]
-    out = torch.full((n, width), -1, dtype=torch.int64, device=vals.device)
-    best = vals[:, :k].argmax(-1, keepdim=True)
-    out[:, :k] = idx[:, :k].gather(-1, best).squeeze(-1)
+    """[N, width] int64: the top-1 token (core.top1) of positions 0..k-1 of the kept
+    top-K [N, L, K], -1 after."""
+    out = torch.full((vals.shape[0], width), -1, dtype=torch.int64, device=vals.device)
+    out[:, :k] = top1(vals[:, :k], idx[:, :k])[0]
     return out

@@ -87,8 +87,8 @@ if HAS_TRITON:
         root_pos = tl.load(POS + tl.maximum(root, 0), mask=m, other=0)
         pre = tl.load(PREFILL + slot, mask=m, other=0)
         ok = (drafts > 0) & (root_pos >= pre)
-        if CHAIN:
-            tree = ok & (drafts < 0)  # none
+        if CHAIN:  # no row has a tree (drafts > 0 where ok): prev = root = -1
+            tree = ok & (drafts < 0)
             nd = drafts
         else:
             tree = ok
