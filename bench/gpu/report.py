@@ -79,11 +79,9 @@ def repeat_table(runs: list) -> str:
                 c = r.get(base, {}).get("steps", {}).get(str(n), {}).get("step_ms")
                 ms.append(s)
                 ratios.append(s / c if s and c else None)
-            ok = sorted(x for x in ms if x)
-            okr = sorted(x for x in ratios if x)
             cells = " | ".join(f"{fmt(m)} ({fmt(q)})" for m, q in zip(ms, ratios))
-            out.append(f"| {k} | {n} | {cells} | {fmt(ok[len(ok) // 2] if ok else None)} | "
-                       f"{fmt(okr[len(okr) // 2] if okr else None)} |")
+            out.append(f"| {k} | {n} | {cells} | {fmt(_median(ms))} | "
+                       f"{fmt(_median(ratios))} |")
     return "\n".join(out)
 
 
