@@ -169,7 +169,12 @@ class V2DDTree:
     def mark(self, input_batch, attn_metadata, for_capture: bool) -> None:
         """model_state.prepare_attn: the target's metadata of a tree verify step, and
         of every FULL-graph capture that may replay one, points the backends at the
-        TreeState."""
+        TreeState.  The backends are checked at the first call (also before chain
+        steps, which need no hook), so a target on a backend without the tree hook is
+        refused at its first step."""
+        draft = self.speculator.draft_attn_layer_names
+        if not self._backends_ok:
+            self._check_backends(draft)
         if for_capture:
             self.state.has_tree.zero_()
             self._dirty = False
@@ -181,9 +186,6 @@ class V2DDTree:
         if not isinstance(attn_metadata, dict):
             raise NotImplementedError("DDTree V2: per-microbatch attention metadata is "
                                       "not supported")
-        draft = self.speculator.draft_attn_layer_names
-        if not self._backends_ok:
-            self._check_backends(draft)
         seen = set()
         for name, md in attn_metadata.items():
             if name in draft or id(md) in seen:
