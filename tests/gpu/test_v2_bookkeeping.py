@@ -329,6 +329,60 @@ def test_chain_step(dev, fused, monkeypatch, tmp_path):
             got["chain_accepted"], got["trees"]) == (1, 1, 6, 2, 0)
 
 
+def _chi2_p(obs: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value of counts obs [V] against probs [V] (cells with an
+    expected count < 5 pooled)."""
+    exp = probs.double() / probs.sum() * obs.sum()
+    big = exp >= 5
+    o, e = obs[big].double(), exp[big]
+    if not big.all():
+        o = torch.cat([o, obs[~big].double().sum().reshape(1)])
+        e = torch.cat([e, exp[~big].sum().reshape(1)])
+    stat = ((o - e) ** 2 / e).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(o) - 1) / 2, dtype=torch.float64),
+                                         stat / 2))
+
+
+@pytest.mark.parametrize("dev", DEVS)
+def test_chain_step_sampling_keeps_the_target_distribution(dev, monkeypatch):
+    """T = 1, a chain step: over many seeds the first emitted token follows the root
+    row's target distribution, and after an accepted first draft the second token
+    follows row 1's (chi-square); the same counts against a distribution with the draft
+    favoured fail, so the test can fail.  Uniforms from one generator (any independent
+    U(0, 1) draws; the seeded ones are tested above and their CPU reference is slow)."""
+    v2r, v2_step, core = _modules(monkeypatch, dev)
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(v2_step, "uniforms", lambda seeds, pos, width, fused: torch.rand(
+        seeds.shape[0], width, generator=g).to(seeds.device))
+    runner, tree = make_runner(dev, core, v2_step, temperature=1.0)
+    runner.speculator.chain_budget = 6
+    rt = v2r.V2DDTree(runner)
+    rt.fused = v2_step.use_fused(dev)
+    d0, d1 = tree.tokens[0, 0].item(), tree.tokens[0, 1].item()
+    logits = torch.zeros(12, V)
+    logits[0] = torch.linspace(-1.0, 1.0, V)
+    logits[0, d0] = 1.2  # the first draft: the likeliest token, far from certain
+    logits[1] = torch.linspace(1.0, -1.0, V)
+    logits[1, d1] = 1.5
+    logits = logits.to(dev)
+    p0, p1 = logits[0].softmax(-1).cpu(), logits[1].softmax(-1).cpu()
+    first, second = torch.zeros(V), torch.zeros(V)
+    batch = make_batch(dev)
+    for _ in range(1500):
+        rt.prepare(batch)
+        assert rt.step.chain
+        out = rt.sampler(logits, batch)
+        t = out.sampled_token_ids[0].tolist()
+        first[t[0]] += 1
+        if t[0] == d0:
+            second[t[1]] += 1
+        rt.step = rt.walk = None
+    assert _chi2_p(first, p0) > 1e-3 and _chi2_p(second, p1) > 1e-3
+    biased = p0.clone()
+    biased[d0] *= 2.0
+    assert _chi2_p(first, biased) < 1e-6  # the test has power
+
+
 def test_chain_graphs_keep_the_backend_kernel(monkeypatch):
     """FULL-graph captures: <= 1 + C query rows per request can only replay chain steps
     (no tree mark); longer or unknown: the tree kernel (which runs chain rows causally)."""
@@ -369,6 +423,19 @@ def test_refusals(monkeypatch):
     ctx["model.layers.0.self_attn.attn"].kv_cache = torch.zeros(2, 20, BS, 1, HD)
     with pytest.raises(NotImplementedError, match="compacts KV caches"):
         rt._target_kv()
+    # a backend without the tree hook is refused at the first step, also when that step
+    # is a chain step (which would not need the hook) or a chain-only graph capture
+    runner.attn_groups[0][0].backend = SimpleNamespace(get_name=lambda: "FLASHINFER")
+    runner.speculator.chain_budget = 6
+    for for_capture in (False, True):
+        rt = v2r.V2DDTree(runner)
+        batch = make_batch("cpu")
+        rt.prepare(batch)
+        assert rt.step.chain
+        with pytest.raises(NotImplementedError, match="FLASHINFER"):
+            rt.mark(SimpleNamespace(max_query_len=2) if for_capture else batch,
+                    {"model.layers.0.self_attn.attn": SimpleNamespace(causal=True)},
+                    for_capture)
 
 
 @pytest.mark.parametrize("dev", DEVS)

@@ -62,7 +62,7 @@ def test_method_literal_and_fields(pristine):
                and n.name == "SpeculativeConfig")
     fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
     assert {"ddtree_budget", "ddtree_depth", "ddtree_synthetic", "ddtree_budget_control",
-            "ddtree_budgets"} <= set(fields)
+            "ddtree_budgets", "ddtree_chain_budget"} <= set(fields)
     assert fields.index("ddtree_budget") == fields.index("method") + 1
 
 
