@@ -36,8 +36,8 @@ default; DDTree follows it there): the same step walls, spans hooked on V2's own
 methods (verify forward = the FULL-graph replay, sample, draft = speculator.propose,
 which on V2 includes the commit and the tree build), drafter graphs captured for
 1 + L queries per request.  ddtree<B>async runs with async scheduling (V2 only;
-DDTree's default there), ddtree<B> pins synchronous scheduling.  (c) on V2: the synthetic distributions enter after
-the drafter's graph (use_synthetic_v2; not yet run on a GPU).
+DDTree's default there), ddtree<B> pins synchronous scheduling.  (c) on V2: the
+synthetic distributions enter after the drafter's graph (use_synthetic_v2; run 7).
 """
 
 from __future__ import annotations
@@ -333,13 +333,8 @@ def use_synthetic_v2(runner, kind, synth):
             if store:
                 n, depth = batch.num_reqs, spec.num_speculative_steps
                 lg = logits(batch, depth).view(n * depth, -1)
-                chain = spec._chain_at
-                if chain is not None and chain[min(n, len(chain) - 1)]:
-                    # a chain batch size: what sample_draft keeps there (argmax only)
-                    spec._top_idx[: n * depth, 0].copy_(lg.argmax(-1))
-                    spec._top_vals[: n * depth, 0].zero_()
-                    spec._top_vals[: n * depth, 1:].fill_(float("-inf"))
-                    spec._lse[: n * depth].zero_()
+                if spec.drafts_chain(n):  # what sample_draft keeps there
+                    spec.keep_top1(lg.argmax(-1))
                 else:
                     vals, idx, lse = vocab_topk(lg, spec.topk)
                     spec._top_vals[: n * depth].copy_(vals)

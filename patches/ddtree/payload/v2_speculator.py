@@ -91,13 +91,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         logits and log-sum-exp; the returned tokens are not used.  Batch sizes whose
         budget is a chain: DFlash's own sampling, kept as a top-1."""
         m = hidden_states.shape[0]
-        if self._chain_at is not None and self._chain_at[min(
-                m // max(self.num_speculative_steps, 1), len(self._chain_at) - 1)]:
+        if self.drafts_chain(m // max(self.num_speculative_steps, 1)):
             tokens = super().sample_draft(hidden_states, *args, **kwargs)
-            self._top_idx[:m, 0].copy_(tokens.view(-1))
-            self._top_vals[:m, 0].zero_()
-            self._top_vals[:m, 1:].fill_(float("-inf"))
-            self._lse[:m].zero_()
+            self.keep_top1(tokens)
             return tokens
         logits = self.compute_draft_logits(hidden_states, 0)
         # one pass for top-K and lse (fused Triton for K <= 128 on CUDA); NaN / inf
@@ -107,6 +103,19 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._top_idx[:m].copy_(idx)
         self._lse[:m].copy_(lse)
         return idx[:, 0]
+
+    def drafts_chain(self, num_reqs: int) -> bool:
+        """Is the budget of a batch of num_reqs requests a chain (<= chain_budget)?"""
+        at = self._chain_at
+        return at is not None and at[min(num_reqs, len(at) - 1)]
+
+    def keep_top1(self, tokens: torch.Tensor) -> None:
+        """Keep the draft tokens [m] as the kept top-K's only finite entries."""
+        m = tokens.numel()
+        self._top_idx[:m, 0].copy_(tokens.view(-1))
+        self._top_vals[:m, 0].zero_()
+        self._top_vals[:m, 1:].fill_(float("-inf"))
+        self._lse[:m].zero_()
 
     @torch.inference_mode()
     def propose(self, *args, **kwargs):
