@@ -118,6 +118,23 @@ def runner_of(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
+def arms_of(llm):
+    """The scheduler's tree-vs-chain controller (DDTree's ArmLookup), or None."""
+    try:
+        lookup = llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup
+    except AttributeError:
+        return None
+    return lookup if hasattr(lookup, "observe") else None
+
+
+def reset_arms(llm) -> None:
+    """A fresh controller (nothing measured yet) in the scheduler, if there is one."""
+    lookup = arms_of(llm)
+    if lookup is not None:
+        llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup = \
+            type(lookup)(list(lookup), lookup.chain)
+
+
 def teardown(llm) -> None:
     try:
         llm.llm_engine.engine_core.shutdown()

@@ -26,8 +26,12 @@ runner (VLLM_USE_V2_MODEL_RUNNER=1, VLLM_DDTREE_V2=1):
                 chain steps (the backend's causal kernel in their own FULL graphs, top-1
                 drafts, no compaction) and tree steps in one run, as requests finish
   ddtree_default  with --default-row: DDTree's own V2 default (no schedule given:
-                B for 1-2 requests, chain steps of L from 3 on); the other rows pin
-                ddtree_chain_budget (0: B for every batch size)
+                B for 1-2 requests, chain steps of L from 3 on, the tree-vs-chain
+                controller at 1-2); the other rows pin ddtree_chain_budget (0: B for
+                every batch size)
+  ddtree_arms   with --arms-row: the controller at every batch size (schedule B for
+                1-1024, chain L, ddtree_budget_control='auto') told to switch often
+                (VLLM_DDTREE_ARMS=1,2): tree and chain steps at the same batch sizes
   dflash        bfloat16 only: the DFlash chain (L drafts) as a control; a bf16
                 difference the chain shows too is rounding, not the tree
 
@@ -63,7 +67,7 @@ import common as C  # noqa: E402  (sets the offline / in-process defaults)
 
 N_PROMPTS, MAX_TOKENS = 8, 48
 ROWS = ("ddtree", "ddtree_swa", "ddtree_eager", "ddtree_sync", "ddtree_per_batch",
-        "ddtree_chain", "ddtree_default", "dflash")
+        "ddtree_chain", "ddtree_default", "ddtree_arms", "dflash")
 SWA_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
 
@@ -92,7 +96,7 @@ def per_batch_schedule(b: int, chain: int = 0) -> list[list[int]]:
 
 def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str = "",
            sync: bool = False, per_batch: bool = False, chain: int = 0,
-           default: bool = False):
+           default: bool = False, arms: bool = False):
     from vllm import LLM
 
     kw = dict(model=m["target"], skip_tokenizer_init=True, dtype=a.dtype, seed=0,
@@ -118,6 +122,12 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
         if per_batch and not default:
             spec["num_speculative_tokens_per_batch_size"] = per_batch_schedule(a.budget,
                                                                                chain)
+        if arms:  # the controller everywhere, switching often
+            spec.update(num_speculative_tokens_per_batch_size=[[1, 1024, a.budget]],
+                        ddtree_budget_control="auto")
+            os.environ["VLLM_DDTREE_ARMS"] = "1,2"
+        else:
+            os.environ.pop("VLLM_DDTREE_ARMS", None)
         if not default:  # 0: a fixed budget (no default budget per batch size)
             spec["ddtree_chain_budget"] = chain
         if sync:
@@ -280,10 +290,14 @@ def checks(name: str, r: dict, a) -> list[str]:
         elif name == "ddtree_per_batch" and w.get("drafted", 0) > 0.75 * a.budget * w["trees"]:
             bad.append(f"budgets per batch size not applied: {w.get('drafted')} nodes in "
                        f"{w['trees']} trees")
-        if name in ("ddtree_chain", "ddtree_default") and not w.get("chain_steps"):
+        chains = ("ddtree_chain", "ddtree_default", "ddtree_arms")
+        if name in chains and not w.get("chain_steps"):
             bad.append("no chain step ran (ddtree_chain_budget)")
-        elif name not in ("ddtree_chain", "ddtree_default") and w.get("chain_steps"):
+        elif name not in chains and w.get("chain_steps"):
             bad.append(f"{w['chain_steps']} chain steps without ddtree_chain_budget")
+        both = set(w.get("chain_steps_by_reqs", {})) & set(w.get("tree_steps_by_reqs", {}))
+        if name == "ddtree_arms" and not both:
+            bad.append(f"the controller never played both arms at one batch size: {w}")
         bad += metric_problems(r.get("metrics") or {}, w, min(a.depth, a.budget))
     if a.attn not in b.get("backends", []):
         bad.append(f"backends {b.get('backends')}")
@@ -331,6 +345,8 @@ def main(argv=None) -> int:
                     help="also DDTree with chains at large batches (ddtree_chain_budget)")
     ap.add_argument("--default-row", action="store_true",
                     help="also DDTree's default budget per batch size on V2")
+    ap.add_argument("--arms-row", action="store_true",
+                    help="also the tree-vs-chain controller at every batch size")
     a = ap.parse_args(argv)
     a.dtype = a.dtype or ("bfloat16" if a.attn == "FLASH_ATTN" else "float32")
     tie = 1e-3 if a.dtype == "float32" else 0.05
@@ -371,6 +387,10 @@ def main(argv=None) -> int:
         run("ddtree_default", res, out, a, m, toks, "ddtree", not a.graphs,
             drafter=m["drafter"], profile=profile, default=True,
             per_batch=True, chain=min(a.depth, a.budget - 1))  # (capture sizes only)
+    if a.arms_row:
+        run("ddtree_arms", res, out, a, m, toks, "ddtree", not a.graphs,
+            drafter=m["drafter"], profile=profile, arms=True,
+            chain=min(a.depth, a.budget - 1))
     if a.dtype != "float32":
         run("dflash", res, out, a, m, toks, "dflash", not a.graphs, drafter=m["drafter"])
 

@@ -26,10 +26,12 @@ with random safetensors written here (draft_load_config: safetensors).
     and every output is checked against the pi-chain (lossless).
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
-    CONFIG: nospec | chain15 | chain15async | ddtree<B>[pb|chain][async]
+    CONFIG: nospec | chain15 | chain15async | ddtree<B>[pb|chain|auto][async]
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
     decoding; chain: budget B for 1-2 requests, a
-    chain of L = 15 from 3 on, ddtree_chain_budget = 15, V2 only)
+    chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
+    pinned, DDTree's V2 default: that schedule with chains of min(L, B - 1), and at 1-2
+    requests the tree or the chain by measured tokens/s, arms.py)
 
 With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
 default; DDTree follows it there): the same step walls, spans hooked on V2's own
@@ -56,8 +58,11 @@ import torch  # noqa: E402
 BATCHES = [int(x) for x in os.environ.get("BENCH_BATCHES", "1,4,16,32").split(",")]
 E2E_BATCHES = [int(x) for x in os.environ.get("BENCH_E2E_BATCHES", "1,16").split(",") if x]
 E2E_ALL = os.environ.get("BENCH_E2E_ALL") == "1"  # every profile at every e2e batch
-PROMPT, NEW, E2E_NEW = 512, 32, 128
-PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
+PROMPT, NEW = 512, 32
+E2E_NEW = int(os.environ.get("BENCH_E2E_NEW", "128"))  # tokens per request, end to end
+# rand: the random drafter itself (acceptance ~0; first, before any synthetic hook);
+# pNN: the calibrated synthetic drafter (FastSynthetic) with these rank probabilities
+PROFILES = {"rand": None, "p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
             "p90": [0.9, 0.05, 0.02]}
 L = 15
 BASE = "/tmp/bench_models"
@@ -75,11 +80,13 @@ def parse(cfg: str):
         rest = rest[:-5] if asy else rest
         pb = rest.endswith("pb")  # budget per batch size: B, B/2, B/4 for 1, 2-3, 4+
         chain = rest.endswith("chain")  # B for 1-2 requests, a chain of L from 3 on
-        k = int(rest[:-5] if chain else rest[:-2] if pb else rest)
+        auto = rest.endswith("auto")  # DDTree's V2 default: that, tree vs chain at 1-2
+        k = int(rest[:-5] if chain else rest[:-4] if auto else rest[:-2] if pb else rest)
         sched = [[1, 1, k], [2, 3, max(1, k // 2)], [4, 1024, max(1, k // 4)]] if pb else \
-            [[1, 2, k], [3, 1024, min(L, k)]] if chain else None
-        return dict(kind="ddtree", k=k, async_sched=asy, per_batch=sched,
-                    chain=min(L, k) if chain else 0)
+            [[1, 2, k], [3, 1024, min(L, k)]] if chain else \
+            [[1, 2, k], [3, 1024, min(L, k - 1)]] if auto else None
+        return dict(kind="ddtree", k=k, async_sched=asy, per_batch=sched, auto=auto,
+                    chain=min(L, k) if chain else min(L, k - 1) if auto else 0)
     raise ValueError(cfg)
 
 
@@ -126,9 +133,12 @@ def engine(spec: dict, **llm_kw):
               "draft_load_config": LoadConfig(load_format="safetensors")}
         if spec["kind"] == "ddtree":
             sc.update(method="ddtree", ddtree_depth=L)
-            if spec.get("per_batch"):
+            if spec.get("auto"):  # nothing pinned: DDTree's V2 default
+                if not V2:
+                    raise ValueError("ddtree<B>auto is DDTree's V2 default: V2 only")
+            elif spec.get("per_batch"):
                 sc["num_speculative_tokens_per_batch_size"] = spec["per_batch"]
-            if V2:  # pinned: 0 = B for every batch size (not DDTree's V2 default)
+            if V2 and not spec.get("auto"):  # pinned: 0 = B for every batch size
                 sc["ddtree_chain_budget"] = spec.get("chain", 0)
             # pinned either way: on V2 DDTree keeps vLLM's async default unless told not to
             asy = bool(spec.get("async_sched"))
@@ -386,8 +396,8 @@ def run_config(name, out_dir, res):
         C.teardown(llm)
         return
     perm = rewire_target(runner)
-    only = os.environ.get("BENCH_PROFILES")
-    profiles = {p: v for p, v in PROFILES.items() if not only or p in only.split(",")}
+    only = os.environ.get("BENCH_PROFILES", "p60,p80,p90")
+    profiles = {p: v for p, v in PROFILES.items() if p in only.split(",")}
     profiles = profiles if kind != "nospec" else {"-": None}
     for pname, probs in profiles.items():
         if probs is not None and V2:
@@ -398,6 +408,7 @@ def run_config(name, out_dir, res):
             if n > 1 and pname not in ("p80", "-") and not E2E_ALL:
                 continue
             toks = C.prompts(n, PROMPT, 1000, 100000, seed=100 + n)
+            C.reset_arms(llm)  # the tree-vs-chain controller learns each cell afresh
             # warm-up, other prompts (no prefix-cache hits), staggered lengths: the batch
             # drains one request at a time, so every batch size below n (and its Triton
             # specialisations: n == 1, n % 16 == 0, other) compiles before the timed run
@@ -421,6 +432,9 @@ def run_config(name, out_dir, res):
                  "decode_steps": steps,
                  "tau": (toks_out - n) / active if active else None,
                  "mismatches_vs_pi_chain": bad}
+            arms = C.arms_of(llm)
+            if arms is not None:  # what the controller measured and chose (warm-up too)
+                e["arms"] = {str(k): v for k, v in arms.summary().items()}
             res[name]["e2e"][f"{pname}_N{n}"] = e
             C.log(name, "e2e", pname, "N", n, json.dumps(e))
             C.dump(os.path.join(out_dir, "step_bench.json"), res)

@@ -52,9 +52,11 @@ ddtree_synthetic: str | None = None
 """DDTree testing aid: JSON file with a synthetic drafter profile (see
 vllm/v1/spec_decode/ddtree/synthetic.py)."""
 ddtree_budget_control: str | None = None
-"""DDTree: "off" (default: budget B every step) or "auto" (per step the budget, or the
-drafter's top-1 chain, that maximises expected tokens/s; see
-vllm/v1/spec_decode/ddtree/core/budget.py)."""
+"""DDTree: "off" or "auto".  V1 runner (default off: budget B every step): "auto" picks
+per step the budget, or the drafter's top-1 chain, that maximises expected tokens/s
+(vllm/v1/spec_decode/ddtree/core/budget.py).  V2 runner (default auto when no budgets
+are given): "auto" plays the tree or the chain at each batch size whose budget is a
+tree, whichever measured more tokens/s (vllm/v1/spec_decode/ddtree/arms.py)."""
 ddtree_budgets: list[int] | None = None
 """DDTree with ddtree_budget_control="auto": the budgets to choose from (<= B)."""
 ddtree_chain_budget: int | None = None

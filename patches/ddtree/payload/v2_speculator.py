@@ -41,10 +41,6 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def __init__(self, vllm_config, device):
         spec = vllm_config.speculative_config
-        if getattr(spec, "ddtree_budget_control", None) == "auto":
-            raise NotImplementedError(
-                "ddtree_budget_control='auto' runs on the V1 runner only for now: set "
-                "VLLM_DDTREE_V2=0 (or VLLM_USE_V2_MODEL_RUNNER=0), or drop the knob")
         self.ddtree_budget = spec.ddtree_budget
         depth = min(spec.ddtree_depth, spec.ddtree_budget)
         self.chain_budget = min(getattr(spec, "ddtree_chain_budget", None) or 0, depth)

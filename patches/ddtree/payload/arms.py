@@ -1,0 +1,180 @@
+"""The tree or the chain, chosen by measured tokens/s per batch size (V2 runner).
+
+vLLM's scheduler picks how many drafts the next step verifies from the batch size (its
+``dynamic_sd_lookup``, built from num_speculative_tokens_per_batch_size).  With
+``ddtree_budget_control='auto'`` on the V2 runner (DDTree's default there) every batch
+size whose budget is a tree (k > C, C = ddtree_chain_budget) gets two arms: the tree
+(k drafts) and the chain (C drafts: a chain step, v2_runtime.py).  ``ArmLookup``
+answers the scheduler's lookup with the arm that delivered more tokens per second at
+that batch size, on the scheduler's own clock (the time between two step outputs), and
+plays the other arm for a few steps now and then, so a change of acceptance (another
+prompt, another drafter) is seen.  Both arms are lossless: the choice moves speed only.
+
+Why measured and not modelled: the verify width is fixed a step ahead (async
+scheduling), so the per-step model of the V1 controller (core/budget.py) cannot pick
+it; what the scheduler can see is accepted tokens and step time, the quantity to
+maximise.  The first steps of each arm calibrate; after that, a choice holds WINDOW
+steps, and every EXPLORE-th choice (4 x EXPLORE when one arm is ahead by more than
+CLEAR) plays the other arm: about 6 % of the steps when the two are close, 1.5 % when
+they are not.  VLLM_DDTREE_ARMS="window,explore" overrides both (tests).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+WINDOW = 4
+EXPLORE = 16
+CLEAR = 1.15
+MIN_STEPS = 3
+DECAY = 0.97  # weight of older steps, per step of the same arm
+MARGIN = 1.02  # the other arm must beat the leader by 2 % to take the lead
+LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
+
+
+def _knobs() -> tuple[int, int]:
+    raw = os.environ.get("VLLM_DDTREE_ARMS", "").strip()
+    if not raw:
+        return WINDOW, EXPLORE
+    try:
+        w, e = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(f"VLLM_DDTREE_ARMS must be 'window,explore' (two integers >= 1), "
+                         f"got {raw!r}") from None
+    if w < 1 or e < 2:
+        raise ValueError(f"VLLM_DDTREE_ARMS: window >= 1 and explore >= 2, got {raw!r}")
+    return w, e
+
+
+class Arm:
+    """Decayed sums of one arm's output tokens and seconds at one batch size."""
+
+    __slots__ = ("tokens", "seconds", "steps")
+
+    def __init__(self):
+        self.tokens = self.seconds = 0.0
+        self.steps = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * DECAY + tokens
+        self.seconds = self.seconds * DECAY + seconds
+        self.steps += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class ArmLookup(list):
+    """vLLM's lookup (index = number of scheduled requests -> drafts), with the tree
+    batch sizes answered by the arm choice.  ``observe`` takes each step's output."""
+
+    def __init__(self, lookup, chain: int, clock=time.perf_counter):
+        super().__init__(lookup)
+        self.chain = chain
+        self.window, self.explore = _knobs()
+        self.clock = clock
+        # batch size -> (tree drafts, chain drafts), for the sizes whose budget is a tree
+        self.arms = {n: (k, chain) for n, k in enumerate(lookup) if n and k > chain >= 1}
+        self.stats = {(n, k): Arm() for n, ks in self.arms.items() for k in ks}
+        self.current = {n: ks[0] for n, ks in self.arms.items()}
+        self.hold = dict.fromkeys(self.arms, 0)
+        self.choices = dict.fromkeys(self.arms, 0)
+        self.leader = {n: ks[0] for n, ks in self.arms.items()}
+        self.picked = {key: 0 for key in self.stats}  # choices made, per arm
+        self._last = None  # clock at the previous output, when that step was a decode
+        self._logged = clock()
+
+    def __getitem__(self, n):
+        if type(n) is int and n in self.arms:
+            return self.choose(n)
+        return super().__getitem__(n)
+
+    def choose(self, n: int) -> int:
+        if self.hold[n] > 0:
+            self.hold[n] -= 1
+            return self.current[n]
+        tree, chain = self.arms[n]
+        t, c = self.stats[(n, tree)], self.stats[(n, chain)]
+        if t.steps < MIN_STEPS:
+            pick = tree
+        elif c.steps < MIN_STEPS:
+            pick = chain
+        else:
+            lead = self.leader[n]
+            other = chain if lead == tree else tree
+            if self.stats[(n, other)].rate > MARGIN * self.stats[(n, lead)].rate:
+                lead, other = other, lead
+                self.leader[n] = lead
+            best = lead
+            lo = min(t.rate, c.rate)
+            period = self.explore * (4 if lo > 0 and max(t.rate, c.rate) > CLEAR * lo else 1)
+            self.choices[n] += 1
+            pick = other if self.choices[n] % period == 0 else best
+        self.current[n] = pick
+        self.hold[n] = self.window - 1
+        self.picked[(n, pick)] += 1
+        return pick
+
+    def observe(self, scheduler_output, model_runner_output) -> None:
+        """A step's output: for a pure decode step (every request verifies the same k
+        drafts) whose previous step was one too, the tokens it emitted over the time
+        since that step's output go to the arm (batch size, k)."""
+        now = self.clock()
+        last, self._last = self._last, None
+        sched = scheduler_output.num_scheduled_tokens
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        n = len(sched)
+        if not n or len(drafts) != n:
+            return
+        k = None
+        for req, num in sched.items():
+            d = drafts.get(req)
+            if d is None or (k is not None and len(d) != k) or num != 1 + len(d):
+                return
+            k = len(d)
+        self._last = now
+        arm = self.stats.get((n, k))
+        if arm is None or last is None:
+            return
+        sampled = model_runner_output.sampled_token_ids or []
+        arm.add(sum(len(x) for x in sampled), now - last)
+        if now - self._logged > LOG_EVERY:
+            self._logged = now
+            _log(self.summary())
+
+    def summary(self) -> dict:
+        """Per tree batch size: each arm's tokens/s, steps seen and times chosen."""
+        out = {}
+        for n, ks in self.arms.items():
+            out[n] = {("tree" if k == ks[0] else "chain") + f" {k}": {
+                "tok_per_s": round(self.stats[(n, k)].rate, 1),
+                "steps": self.stats[(n, k)].steps, "chosen": self.picked[(n, k)]}
+                for k in ks}
+        return out
+
+
+def _log(summary: dict) -> None:
+    try:
+        from vllm.logger import init_logger
+
+        init_logger(__name__).info("DDTree tree vs chain by batch size: %s", summary)
+    except Exception:  # noqa: BLE001  (logging only)
+        pass
+
+
+def wrap_lookup(scheduler, lookup):
+    """Scheduler.__init__ hook: the arm lookup when DDTree's controller runs on the V2
+    runner and some batch size verifies a tree, else ``lookup`` unchanged."""
+    cfg = getattr(scheduler, "vllm_config", None)
+    spec = getattr(cfg, "speculative_config", None)
+    if lookup is None or getattr(spec, "ddtree_budget", None) is None or \
+            getattr(spec, "ddtree_budget_control", None) != "auto":
+        return lookup
+    from .config import _uses_v2
+
+    if not _uses_v2(cfg):
+        return lookup
+    arms = ArmLookup(lookup, getattr(spec, "ddtree_chain_budget", None) or 0)
+    return arms if arms.arms else lookup

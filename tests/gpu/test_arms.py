@@ -1,0 +1,147 @@
+"""The tree-vs-chain controller of the V2 runner (payload/arms.py), against a simulated
+engine: each step verifies the drafts the lookup chose one step earlier (as vLLM's
+scheduler does), takes the arm's time and emits the arm's tokens.  Deterministic
+(a fake clock, seeded token counts); no vLLM needed."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from .conftest import payload_module
+
+arms = payload_module("arms")
+
+TREE, CHAIN = 64, 15
+
+
+def out(reqs: dict[str, int], drafts: dict[str, int], sampled: list[int]):
+    """A SchedulerOutput / ModelRunnerOutput pair: reqs = scheduled tokens per request,
+    drafts = draft count per request (placeholders), sampled = tokens emitted."""
+    so = SimpleNamespace(num_scheduled_tokens=reqs,
+                         scheduled_spec_decode_tokens={r: [-1] * k for r, k in drafts.items()})
+    return so, SimpleNamespace(sampled_token_ids=[[7] * t for t in sampled])
+
+
+def simulate(lookup, cost: dict, tau: dict, steps: int = 600, n: int = 1, seed: int = 0):
+    """Run ``steps`` decode steps of n requests; returns the k verified per step."""
+    clock = [0.0]
+    lookup.clock = lambda: clock[0]
+    rng = random.Random(seed)
+    k = lookup[n]
+    seen = []
+    for _ in range(steps):
+        nxt = lookup[n]  # the scheduler picks the next step's drafts before this output
+        clock[0] += cost[k] * rng.uniform(0.95, 1.05)
+        sampled = [max(1, min(k + 1, round(rng.gauss(tau[k], 1.0)))) for _ in range(n)]
+        names = [f"r{i}" for i in range(n)]
+        lookup.observe(*out({r: 1 + k for r in names}, {r: k for r in names}, sampled))
+        seen.append(k)
+        k = nxt
+    return seen
+
+
+@pytest.mark.parametrize("cost,tau,winner", [
+    ({TREE: 7.9, CHAIN: 6.8}, {TREE: 1.0, CHAIN: 1.0}, CHAIN),   # random drafter
+    ({TREE: 7.9, CHAIN: 6.8}, {TREE: 4.6, CHAIN: 3.1}, TREE),    # p60-like
+    ({TREE: 7.9, CHAIN: 6.8}, {TREE: 6.0, CHAIN: 5.6}, CHAIN),   # the tree does not pay
+    ({TREE: 11.4, CHAIN: 7.2}, {TREE: 6.0, CHAIN: 4.5}, CHAIN),  # 1.58x cost, 1.33x tau
+])
+def test_the_faster_arm_gets_the_steps(cost, tau, winner, monkeypatch):
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+    lookup = arms.ArmLookup([0, TREE, TREE, CHAIN], CHAIN)
+    seen = simulate(lookup, cost, tau)
+    tail = seen[100:]
+    share = tail.count(winner) / len(tail)
+    assert share >= 0.9, (share, lookup.summary())
+    loser = TREE if winner == CHAIN else CHAIN
+    assert loser in tail, "the other arm is never tried again"
+    # tokens/s reached vs always playing the winner: within the exploration's cost
+    rate = lambda k: tau[k] / cost[k]  # noqa: E731  (simulate emits tau tokens a step)
+    got = sum(rate(k) * cost[k] for k in tail) / sum(cost[k] for k in tail)
+    assert got >= 0.95 * rate(winner)
+
+
+def test_a_change_of_acceptance_is_followed(monkeypatch):
+    """The chain wins for a random drafter; when the drafter turns good, the tree wins."""
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+    lookup = arms.ArmLookup([0, TREE, CHAIN], CHAIN)
+    cost = {TREE: 7.9, CHAIN: 6.8}
+    first = simulate(lookup, cost, {TREE: 0.5, CHAIN: 0.5}, steps=400)
+    assert first[-100:].count(CHAIN) >= 85
+    second = simulate(lookup, cost, {TREE: 7.0, CHAIN: 3.0}, steps=600, seed=1)
+    assert second[-200:].count(TREE) >= 180
+
+
+def test_only_tree_batch_sizes_have_arms_and_the_list_stays_a_list(monkeypatch):
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+    base = [0, 32, 32, 16, 7, 7]
+    lookup = arms.ArmLookup(base, 7)
+    assert lookup.arms == {1: (32, 7), 2: (32, 7), 3: (16, 7)}
+    assert lookup[4] == 7 and lookup[5] == 7 and lookup[-1] == 7
+    assert list(lookup) == base and len(lookup) == 6 and lookup[1:3] == [32, 32]
+    assert lookup[1] == 32  # uncalibrated: the tree first
+    assert arms.ArmLookup([0, 7, 7], 7).arms == {}  # nothing larger than the chain
+    assert arms.ArmLookup([0, 8, 8], 0).arms == {}  # no chain to play against
+
+
+def test_steps_that_are_not_pure_decode_are_not_measured(monkeypatch):
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+    lookup = arms.ArmLookup([0, TREE, TREE], CHAIN)
+    t = [0.0]
+    lookup.clock = lambda: t[0]
+
+    def step(dt, reqs, drafts, sampled):
+        t[0] += dt
+        lookup.observe(*out(reqs, drafts, sampled))
+
+    step(1, {"a": 65}, {"a": 64}, [5])            # first decode step: no interval yet
+    step(1, {"a": 65}, {"a": 64}, [5])            # measured
+    assert lookup.stats[(1, TREE)].steps == 1
+    step(9, {"a": 300}, {}, [1])                  # a prefill: not measured...
+    step(1, {"a": 65}, {"a": 64}, [5])            # ...nor the interval after it
+    step(1, {"a": 65, "b": 16}, {"a": 64, "b": 15}, [5, 2])  # mixed widths
+    step(1, {"a": 65, "b": 40}, {"a": 64, "b": 64}, [5, 2])  # b: a partial verify
+    step(1, {"a": 65, "b": 65}, {"a": 64}, [5, 1])  # b without drafts
+    step(0.5, {}, {}, [])                         # an empty step
+    assert lookup.stats[(1, TREE)].steps == 1 and lookup.stats[(2, TREE)].steps == 0
+    step(1, {"a": 65, "b": 65}, {"a": 64, "b": 64}, [5, 1])
+    step(2, {"a": 65, "b": 65}, {"a": 64, "b": 64}, [5, 1])
+    s = lookup.stats[(2, TREE)]
+    assert s.steps == 1 and s.tokens == 6 and s.seconds == 2
+    step(1, {"a": 17}, {"a": 16}, [3])            # 16 drafts: no such arm (skipped)
+    assert sum(a.steps for a in lookup.stats.values()) == 2
+
+
+def test_window_and_exploration_knobs(monkeypatch):
+    monkeypatch.setenv("VLLM_DDTREE_ARMS", "1,2")
+    lookup = arms.ArmLookup([0, TREE], CHAIN)
+    assert (lookup.window, lookup.explore) == (1, 2)
+    seen = simulate(lookup, {TREE: 1.0, CHAIN: 1.0}, {TREE: 3.0, CHAIN: 2.9}, steps=60)
+    assert 10 <= seen[20:].count(CHAIN) <= 30  # every other choice explores
+    for bad in ("1", "0,4", "2,1", "a,b", "1,2,3"):
+        monkeypatch.setenv("VLLM_DDTREE_ARMS", bad)
+        with pytest.raises(ValueError, match="VLLM_DDTREE_ARMS"):
+            arms.ArmLookup([0, TREE], CHAIN)
+
+
+def test_wrap_lookup_only_for_the_v2_controller(monkeypatch):
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+
+    def sched(v2=True, control="auto", budget=32, chain=7):
+        spec = SimpleNamespace(ddtree_budget=budget, ddtree_budget_control=control,
+                               ddtree_chain_budget=chain)
+        return SimpleNamespace(vllm_config=SimpleNamespace(use_v2_model_runner=v2,
+                                                           speculative_config=spec))
+
+    base = [0, 32, 32, 7]
+    assert isinstance(arms.wrap_lookup(sched(), base), arms.ArmLookup)
+    for s in (sched(v2=False), sched(control="off"), sched(control=None),
+              sched(budget=None), sched(chain=0), sched(chain=None)):
+        assert arms.wrap_lookup(s, base) is base
+    assert arms.wrap_lookup(sched(), None) is None
+    assert arms.wrap_lookup(sched(), [0, 7, 7]) == [0, 7, 7]  # no tree batch size
+    summary = arms.wrap_lookup(sched(), base).summary()
+    assert set(summary) == {1, 2} and set(summary[1]) == {"tree 32", "chain 7"}
