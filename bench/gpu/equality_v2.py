@@ -104,7 +104,7 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
               enforce_eager=eager, disable_log_stats=False,
               # a fixed KV size: no memory profiling, so an engine that failed and is
               # still being freed cannot break the next one's start
-              kv_cache_memory_bytes=2 << 30)
+              kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.5)
     if not eager:  # the verify steps' shapes (1 + B per request) and the drafter's (1 + L)
         qs = {"ddtree": {1 + a.budget, 1 + min(a.depth, a.budget)},
               "dflash": {1 + a.depth}}.get(mode, {1})

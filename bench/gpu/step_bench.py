@@ -228,6 +228,23 @@ class Hooks:
     def reset(self):
         self.steps, self.cur = [], None
 
+    def phase_medians(self, steps) -> dict:
+        """Median GPU ms per phase, and the median wall ms between step starts, over
+        ``steps`` (a subset of self.steps)."""
+        torch.cuda.synchronize()
+        pos = {id(s): i for i, s in enumerate(self.steps)}
+        phases, walls = {}, []
+        for s in steps:
+            i = pos[id(s)]
+            if i + 1 < len(self.steps):
+                walls.append((self.steps[i + 1]["t"] - s["t"]) * 1e3)
+            for name, evs in s["ev"].items():
+                phases.setdefault(name, []).append(sum(a.elapsed_time(b) for a, b in evs))
+        out = {k: round(statistics.median(v), 4) for k, v in phases.items()}
+        if walls:
+            out["wall"] = round(statistics.median(walls), 4)
+        return out
+
     def summary(self, verify_tokens: int) -> dict:
         torch.cuda.synchronize()
         st = self.steps
@@ -432,6 +449,7 @@ def run_config(name, out_dir, res):
                  "decode_steps": steps,
                  "tau": (toks_out - n) / active if active else None,
                  "mismatches_vs_pi_chain": bad}
+            e["phases_ms"] = hooks.phase_medians(dec)
             arms = C.arms_of(llm)
             if arms is not None:  # what the controller measured and chose (warm-up too)
                 e["arms"] = {str(k): v for k, v in arms.summary().items()}

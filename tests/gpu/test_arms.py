@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from .conftest import payload_module
+from .conftest import HAS_CUDA, payload_module
 
 arms = payload_module("arms")
 
@@ -145,3 +145,83 @@ def test_wrap_lookup_only_for_the_v2_controller(monkeypatch):
     assert arms.wrap_lookup(sched(), [0, 7, 7]) == [0, 7, 7]  # no tree batch size
     summary = arms.wrap_lookup(sched(), base).summary()
     assert set(summary) == {1, 2} and set(summary[1]) == {"tree 32", "chain 7"}
+
+
+# ------------------------------------------------------------------ the worker's half
+
+
+def _kept(n: int, depth: int, k: int, p: float, vocab: int = 50):
+    """A kept top-K [n, depth, k] whose top-1 has probability p at every depth (the
+    rest spread evenly), as logits with their lse."""
+    import math
+
+    import torch
+
+    rest = (1 - p) / (vocab - 1)
+    vals = torch.full((n, depth, k), math.log(rest))
+    vals[..., 0] = math.log(p)
+    idx = torch.arange(k).expand(n, depth, k).clone()
+    lse = torch.zeros(n, depth)
+    return vals, idx, lse
+
+
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if HAS_CUDA else []))
+def test_expected_tokens_of_both_arms_from_the_drafter(monkeypatch, dev):
+    """E[chain] = sum of p^d over the chain's C prefixes; E[tree] = the tree's sum of
+    path probabilities (>= the chain's: the tree holds the chain); both published (on
+    CUDA through pinned memory, one period late, without a sync)."""
+    import torch
+
+    from ddtree_patcher.core import build_tree_from_topk
+
+    v2_arms = payload_module("v2_arms")
+    monkeypatch.setattr(v2_arms, "PUBLISH", 1)
+    arms.EXPECTED.clear()
+    depth, chain, budget, p = 6, 4, 16, 0.7
+    ex = v2_arms.ArmExpect([1, 2], chain, depth, max_reqs=4, device=dev)
+    vals, idx, lse = (t.to(dev) for t in _kept(2, depth, budget, p))
+    tree = build_tree_from_topk(vals, idx, budget, budget, lse)
+    slots = torch.tensor([3, 1], device=dev)
+    ex.draft(2, vals, idx, lse, slots, tree)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    ex.draft(2, vals, idx, lse, slots, tree)  # the copy of the first is published now
+    e_tree, e_chain = arms.EXPECTED[2]
+    want_chain = 1 + sum(p ** d for d in range(1, chain + 1))
+    assert e_chain == pytest.approx(want_chain, rel=1e-4)
+    want_tree = 1 + float(torch.exp(tree.scores[0]).sum())
+    assert e_tree == pytest.approx(want_tree, rel=1e-4) and e_tree > e_chain
+    assert 1 not in arms.EXPECTED  # nothing drafted at 1 request yet
+    ex.draft(3, vals, idx, lse, slots, tree)  # 3: not a tree batch size, ignored
+    assert float(ex.sums[3].abs().sum()) == 0
+
+    # calibration: the target accepts nothing -> the expectations shrink
+    zero = torch.zeros(2, dtype=torch.int64, device=dev)
+    for _ in range(30):
+        ex.verified(slots, zero, True, k_chain=chain)
+        ex.verified(slots, zero, False, num_nodes=torch.full_like(zero, budget),
+                    valid=torch.ones(2, dtype=torch.bool, device=dev))
+    for _ in range(4):  # the sums fade (KEEP) and the new drafts take over
+        ex.draft(2, vals, idx, lse, slots, tree)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+    e_tree2, e_chain2 = arms.EXPECTED[2]
+    assert e_chain2 < 1 + 0.5 * (want_chain - 1) and e_tree2 < 1 + 0.5 * (want_tree - 1)
+
+
+def test_the_expected_tokens_decide_when_published(monkeypatch):
+    """Measured tokens say the tree (a lucky draw), the drafter's expectations say the
+    chain: with EXPECTED published the lookup follows the expectations."""
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+    lookup = arms.ArmLookup([0, TREE], CHAIN)
+    for k, tokens, dt in ((TREE, 9, 8.0), (CHAIN, 3, 7.0)):
+        for _ in range(arms.MIN_STEPS):
+            lookup.stats[(1, k)].add(tokens, dt)
+    assert lookup.rates(1)[TREE] > lookup.rates(1)[CHAIN]
+    arms.EXPECTED[1] = (4.0, 3.9)  # per request-step: 4.0 / 8 ms < 3.9 / 7 ms
+    rate = lookup.rates(1)
+    assert rate[CHAIN] > rate[TREE] and rate[TREE] == pytest.approx(4.0 / 8.0)
+    assert lookup[1] == CHAIN
+    assert lookup.summary()[1]["chain 15"]["expected"] == 3.9
+    arms.ArmLookup([0, TREE], CHAIN)  # a new engine forgets the old expectations
+    assert arms.EXPECTED == {}

@@ -10,13 +10,17 @@ that batch size, on the scheduler's own clock (the time between two step outputs
 plays the other arm for a few steps now and then, so a change of acceptance (another
 prompt, another drafter) is seen.  Both arms are lossless: the choice moves speed only.
 
-Why measured and not modelled: the verify width is fixed a step ahead (async
-scheduling), so the per-step model of the V1 controller (core/budget.py) cannot pick
-it; what the scheduler can see is accepted tokens and step time, the quantity to
-maximise.  The first steps of each arm calibrate; after that, a choice holds WINDOW
-steps, and every EXPLORE-th choice (4 x EXPLORE when one arm is ahead by more than
-CLEAR) plays the other arm: about 6 % of the steps when the two are close, 1.5 % when
-they are not.  VLLM_DDTREE_ARMS="window,explore" overrides both (tests).
+Tokens/s of an arm = tokens per step / seconds per step.  Seconds per step are
+measured here (stable from a few steps).  Tokens per step, measured, are too noisy to
+compare arms over a few steps (one step's accepted length varies as much as its mean),
+so where the worker runs in this process (vLLM's in-process executor: one GPU) it
+publishes the drafter's calibrated expectations for both arms (v2_arms.py, EXPECTED);
+elsewhere (TP > 1) the measured tokens stand in.  The verify width is fixed a step
+ahead (async scheduling), so the choice is per batch size, not per step as on V1
+(core/budget.py).  The first steps of each arm calibrate; after that, a choice holds
+WINDOW steps, and every EXPLORE-th choice (4 x EXPLORE when one arm is ahead by more
+than CLEAR) plays the other arm: about 6 % of the steps when the two are close, 1.5 %
+when they are not.  VLLM_DDTREE_ARMS="window,explore" overrides both (tests).
 """
 
 from __future__ import annotations
@@ -47,23 +51,42 @@ def _knobs() -> tuple[int, int]:
     return w, e
 
 
-class Arm:
-    """Decayed sums of one arm's output tokens and seconds at one batch size."""
+# batch size -> (tokens per request-step of the tree, of the chain): the drafter's
+# calibrated expectations, published by the worker in this process (v2_arms.py)
+EXPECTED: dict[int, tuple[float, float]] = {}
 
-    __slots__ = ("tokens", "seconds", "steps")
+
+def publish(rows) -> None:
+    """rows[n] = [E tree sum, tree drafts, E chain sum, chain drafts] (v2_arms.py)."""
+    for n, (t, tn, c, cn) in enumerate(rows):
+        if tn > 0 and cn > 0:
+            EXPECTED[n] = (1.0 + t / tn, 1.0 + c / cn)
+
+
+class Arm:
+    """Decayed sums of one arm's output tokens, seconds and steps at one batch size."""
+
+    __slots__ = ("tokens", "seconds", "weight", "steps")
 
     def __init__(self):
-        self.tokens = self.seconds = 0.0
+        self.tokens = self.seconds = self.weight = 0.0
         self.steps = 0
 
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens = self.tokens * DECAY + tokens
         self.seconds = self.seconds * DECAY + seconds
+        self.weight = self.weight * DECAY + 1.0
         self.steps += 1
 
     @property
     def rate(self) -> float:
+        """Measured output tokens per second."""
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def step_s(self) -> float:
+        """Mean seconds per step (recent steps weigh more)."""
+        return self.seconds / self.weight if self.weight > 0 else 0.0
 
 
 class ArmLookup(list):
@@ -85,6 +108,7 @@ class ArmLookup(list):
         self.picked = {key: 0 for key in self.stats}  # choices made, per arm
         self._last = None  # clock at the previous output, when that step was a decode
         self._logged = clock()
+        EXPECTED.clear()  # a new engine: nothing of an earlier one's drafter
 
     def __getitem__(self, n):
         if type(n) is int and n in self.arms:
@@ -102,20 +126,31 @@ class ArmLookup(list):
         elif c.steps < MIN_STEPS:
             pick = chain
         else:
+            rate = self.rates(n)
             lead = self.leader[n]
             other = chain if lead == tree else tree
-            if self.stats[(n, other)].rate > MARGIN * self.stats[(n, lead)].rate:
+            if rate[other] > MARGIN * rate[lead]:
                 lead, other = other, lead
                 self.leader[n] = lead
             best = lead
-            lo = min(t.rate, c.rate)
-            period = self.explore * (4 if lo > 0 and max(t.rate, c.rate) > CLEAR * lo else 1)
+            lo = min(rate.values())
+            period = self.explore * (4 if lo > 0 and max(rate.values()) > CLEAR * lo else 1)
             self.choices[n] += 1
             pick = other if self.choices[n] % period == 0 else best
         self.current[n] = pick
         self.hold[n] = self.window - 1
         self.picked[(n, pick)] += 1
         return pick
+
+    def rates(self, n: int) -> dict[int, float]:
+        """Tokens/s per arm at batch size n: the worker's expected tokens per step over
+        the measured step time when published (EXPECTED), else the measured tokens."""
+        ks = self.arms[n]
+        exp = EXPECTED.get(n)
+        if exp is None:
+            return {k: self.stats[(n, k)].rate for k in ks}
+        return {k: e / s.step_s if s.step_s > 0 else 0.0
+                for k, e, s in zip(ks, exp, (self.stats[(n, k)] for k in ks))}
 
     def observe(self, scheduler_output, model_runner_output) -> None:
         """A step's output: for a pure decode step (every request verifies the same k
@@ -145,13 +180,17 @@ class ArmLookup(list):
             _log(self.summary())
 
     def summary(self) -> dict:
-        """Per tree batch size: each arm's tokens/s, steps seen and times chosen."""
+        """Per tree batch size: each arm's measured tokens/s and ms per step, steps
+        seen, times chosen, and (when published) the expected tokens per step."""
         out = {}
         for n, ks in self.arms.items():
+            exp = EXPECTED.get(n, (None, None))
             out[n] = {("tree" if k == ks[0] else "chain") + f" {k}": {
                 "tok_per_s": round(self.stats[(n, k)].rate, 1),
+                "ms": round(1e3 * self.stats[(n, k)].step_s, 3),
+                "expected": None if e is None else round(e, 3),
                 "steps": self.stats[(n, k)].steps, "chosen": self.picked[(n, k)]}
-                for k in ks}
+                for k, e in zip(ks, exp)}
         return out
 
 

@@ -66,6 +66,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._chain_at = None if not self.chain_budget else \
             [0 < k <= self.chain_budget for k in self._budget_at]
         self.runtime = None  # V2DDTree, set when the runner builds it
+        # the tree-vs-chain choice (arms.py): expected tokens of both arms per draft
+        self.expect = None
+        sizes = [n for n, k in enumerate(self._budget_at) if n and k > self.chain_budget]
+        if getattr(spec, "ddtree_budget_control", None) == "auto" and self.chain_budget \
+                and sizes:
+            from .v2_arms import ArmExpect
+
+            self.expect = ArmExpect(sizes, self.chain_budget, depth, self.max_num_reqs,
+                                    device)
         self.synthetic = None
         if spec.ddtree_synthetic:
             from .synthetic import SyntheticDrafter
@@ -148,11 +157,16 @@ class DDTreeSpeculator(DFlashSpeculator):
         is False (dummy runs); for ``want`` <= chain_budget drafts, the top-1 chain of
         the first ``want`` positions (-1 after), nothing stored."""
         vals, idx, lse = self.kept(batch, store)
+        expect = self.expect if store else None
         if want is not None and 0 < want <= self.chain_budget:
+            if expect is not None:
+                expect.draft(batch.num_reqs, vals, idx, lse, batch.idx_mapping)
             return chain_tokens(vals, idx, want, self.ddtree_budget)
         tree = build_tree_from_topk(vals, idx, self.ddtree_budget, self.ddtree_budget, lse)
         if store:
             self.trees.store(batch.idx_mapping, tree)
+        if expect is not None:
+            expect.draft(batch.num_reqs, vals, idx, lse, batch.idx_mapping, tree)
         return tree.tokens
 
     def _synthetic(self, batch, vals, idx, lse) -> None:
