@@ -211,6 +211,8 @@ class BudgetController:
         self.prior = prior
         self.num = torch.zeros(depth + 1, dtype=torch.float64, device=device)
         self.den = torch.zeros(depth + 1, dtype=torch.float64, device=device)
+        self._no_pad = torch.ones(depth + 1, dtype=torch.float64, device=device)
+        self._no_pad[0] = 0.0  # (once: a host scalar written into a CUDA tensor syncs)
         self.counts: dict[str, int] = {}
         self.last: Choice | None = None
         self._idx = None
@@ -219,8 +221,7 @@ class BudgetController:
     def calibration(self) -> torch.Tensor:
         """c_d [depth + 1] (c_0 = 0 for pad nodes), clamped to [0.01, 10]."""
         c = ((self.num + self.prior) / (self.den + self.prior)).clamp(0.01, 10.0)
-        c[0] = 0.0
-        return c.float()
+        return (c * self._no_pad).float()
 
     def observe(self, scores, depths, num_nodes, num_accepted, valid=None) -> None:
         """After the walk: scores/depths [M, W] of the verified trees (pop order),

@@ -176,6 +176,7 @@ def test_expected_tokens_of_both_arms_from_the_drafter(monkeypatch, dev):
 
     v2_arms = payload_module("v2_arms")
     monkeypatch.setattr(v2_arms, "PUBLISH", 1)
+    monkeypatch.setattr(v2_arms, "SAMPLE", 1)
     arms.EXPECTED.clear()
     depth, chain, budget, p = 6, 4, 16, 0.7
     ex = v2_arms.ArmExpect([1, 2], chain, depth, max_reqs=4, device=dev)
@@ -194,14 +195,20 @@ def test_expected_tokens_of_both_arms_from_the_drafter(monkeypatch, dev):
     assert 1 not in arms.EXPECTED  # nothing drafted at 1 request yet
     ex.draft(3, vals, idx, lse, slots, tree)  # 3: not a tree batch size, ignored
     assert float(ex.sums[3].abs().sum()) == 0
+    before = ex.ctrl.num.clone()
+    ex.verified(slots, torch.ones(2, dtype=torch.int64, device=dev), True, k_chain=chain)
+    assert torch.equal(ex.ctrl.num, before)  # the draft at 3 was not measured: no verify
 
     # calibration: the target accepts nothing -> the expectations shrink
     zero = torch.zeros(2, dtype=torch.int64, device=dev)
     for _ in range(30):
+        ex.draft(2, vals, idx, lse, slots)
         ex.verified(slots, zero, True, k_chain=chain)
+        ex.draft(2, vals, idx, lse, slots, tree)
         ex.verified(slots, zero, False, num_nodes=torch.full_like(zero, budget),
                     valid=torch.ones(2, dtype=torch.bool, device=dev))
-    for _ in range(4):  # the sums fade (KEEP) and the new drafts take over
+    ex.sums.zero_()
+    for _ in range(4):  # the new drafts, with the calibration learnt
         ex.draft(2, vals, idx, lse, slots, tree)
         if dev == "cuda":
             torch.cuda.synchronize()
@@ -225,3 +232,20 @@ def test_the_expected_tokens_decide_when_published(monkeypatch):
     assert lookup.summary()[1]["chain 15"]["expected"] == 3.9
     arms.ArmLookup([0, TREE], CHAIN)  # a new engine forgets the old expectations
     assert arms.EXPECTED == {}
+
+
+def test_only_one_draft_in_sample_is_measured(monkeypatch):
+    import torch
+
+    from ddtree_patcher.core import build_tree_from_topk
+
+    v2_arms = payload_module("v2_arms")
+    monkeypatch.setattr(v2_arms, "SAMPLE", 4)
+    ex = v2_arms.ArmExpect([1], 4, 6, max_reqs=2, device="cpu")
+    vals, idx, lse = _kept(1, 6, 8, 0.6)
+    tree = build_tree_from_topk(vals, idx, 8, 8, lse)
+    seen = []
+    for _ in range(12):
+        ex.draft(1, vals, idx, lse, torch.tensor([0]), tree)
+        seen.append(ex.measured)
+    assert seen.count(True) == 3 and float(ex.sums[1, 3]) > 0

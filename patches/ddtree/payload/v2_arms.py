@@ -3,11 +3,11 @@
 Accepted lengths are too noisy to compare the tree and the chain from a few steps
 (at p80-like acceptance one step's length varies as much as its mean), so the choice
 takes them from the drafter's own probabilities instead, for both arms at once: every
-draft at a tree batch size gives E[tree] = sum of the nodes' calibrated path
+SAMPLE-th draft at a tree batch size gives E[tree] = sum of the nodes' calibrated path
 probabilities (on tree steps) and E[chain] = the same over the top-1 chain's C
 prefixes (every step).  The calibration per depth (core.budget.BudgetController) learns
 from what each verified step accepted, tree and chain steps alike.  Sums per batch size
-stay on the device; every PUBLISH drafts they are copied to pinned memory without a
+stay on the device (no host sync); every PUBLISH measured drafts they are copied to pinned memory without a
 sync and published, one period later, to ``arms.EXPECTED`` (tokens per request-step,
 bonus included), which the scheduler's ArmLookup divides by its measured step times.
 One process only (the scheduler and this worker share ``arms``: vLLM's in-process
@@ -22,7 +22,8 @@ from . import arms
 from .core.budget import BudgetController
 from .core.tree_build import chain_scores
 
-PUBLISH = 8  # drafts between two copies of the sums to the host
+SAMPLE = 4  # one draft in SAMPLE (and its verify) is measured: host time per step
+PUBLISH = 4  # measured drafts between two copies of the sums to the host
 KEEP = 0.7  # weight of the sums after each copy (older drafts fade)
 
 
@@ -44,22 +45,30 @@ class ArmExpect:
         self.host = torch.zeros(max_reqs + 1, 4, dtype=torch.float32, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
         self.calls = 0
+        self.drafts = 0
         self.pending = False
+        self.measured = False  # was the draft now being verified measured?
 
     # ---------------------------------------------------------------- each draft
     def draft(self, n: int, vals, idx, lse, slots, tree=None) -> None:
         """A draft of n requests at a tree batch size (slots: their request-state
         slots): the chain's prefix scores are kept for calibration; E[chain], and
         E[tree] when ``tree`` was built, join the sums of batch size n."""
+        self.measured = False
         if n not in self.tree_sizes:
             return
+        self.drafts += 1
+        if self.drafts % SAMPLE:
+            return
+        self.measured = True
+        # device ops only: no host value enters a CUDA tensor here (that would sync)
         c = self.ctrl.calibration()
         sc = chain_scores(vals, idx, lse)[:, : self.depth]
         self.chain_sc[slots] = sc
         k = min(self.chain, sc.shape[1])
-        e_chain = (torch.exp(sc[:, :k]) * c[1: k + 1]).sum()
-        row = torch.zeros(4, dtype=torch.float32, device=sc.device)
-        row[2], row[3] = e_chain, n
+        row = self.sums[n]
+        row[2:3].add_((torch.exp(sc[:, :k]) * c[1: k + 1]).sum())
+        row[3:4].add_(n)
         if tree is not None:
             if self.tree_sc is None:
                 shape = (self.max_reqs, tree.scores.shape[1])
@@ -68,15 +77,18 @@ class ArmExpect:
             self.tree_sc[slots] = tree.scores.float()
             self.tree_depths[slots] = tree.depths.long()
             w = c[tree.depths.long().clamp(0, self.depth)] * torch.exp(tree.scores.float())
-            row[0], row[1] = w.sum(), n
-        self.sums[n] += row
+            row[0:1].add_(w.sum())
+            row[1:2].add_(n)
         self._publish()
 
     def verified(self, slots, num_accepted, chain: bool, num_nodes=None, valid=None,
                  k_chain: int = 0) -> None:
         """A verified step of the requests in ``slots``: a tree step (num_nodes nodes
         verified per request, valid = rows that had a tree) or a chain step (k_chain
-        drafts each)."""
+        drafts each).  Only for measured drafts (one in SAMPLE)."""
+        if not self.measured:
+            return
+        self.measured = False
         if not chain:
             if self.tree_sc is not None:
                 self.ctrl.observe(self.tree_sc[slots], self.tree_depths[slots], num_nodes,
