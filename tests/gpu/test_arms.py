@@ -249,3 +249,23 @@ def test_only_one_draft_in_sample_is_measured(monkeypatch):
         ex.draft(1, vals, idx, lse, torch.tensor([0]), tree)
         seen.append(ex.measured)
     assert seen.count(True) == 3 and float(ex.sums[1, 3]) > 0
+
+
+def test_a_switch_and_a_slow_step_do_not_set_the_step_time(monkeypatch):
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+    lookup = arms.ArmLookup([0, TREE], CHAIN)
+    t = [0.0]
+    lookup.clock = lambda: t[0]
+
+    def step(dt, k, tokens=2):
+        t[0] += dt
+        lookup.observe(*out({"a": 1 + k}, {"a": k}, [tokens]))
+
+    step(1, CHAIN)
+    step(7, CHAIN)
+    step(20, TREE)  # the first tree step after chain steps: not measured
+    for dt in (8, 8, 30, 8, 8):  # one slow step among them
+        step(dt, TREE)
+    tree, chain = lookup.stats[(1, TREE)], lookup.stats[(1, CHAIN)]
+    assert tree.steps == 5 and tree.step_s == 8
+    assert chain.steps == 1 and chain.step_s == 7

@@ -18,20 +18,27 @@ publishes the drafter's calibrated expectations for both arms (v2_arms.py, EXPEC
 elsewhere (TP > 1) the measured tokens stand in.  The verify width is fixed a step
 ahead (async scheduling), so the choice is per batch size, not per step as on V1
 (core/budget.py).  The first steps of each arm calibrate; after that, a choice holds
-WINDOW steps, and every EXPLORE-th choice (4 x EXPLORE when one arm is ahead by more
-than CLEAR) plays the other arm: about 6 % of the steps when the two are close, 1.5 %
-when they are not.  VLLM_DDTREE_ARMS="window,explore" overrides both (tests).
+WINDOW steps, and every EXPLORE-th choice (4 x EXPLORE once both arms have WELL steps
+and one is ahead by more than CLEAR) plays the other arm: about 6 % of the steps when
+the two are close, 1.5 % when they are not.  A step time is the median of an arm's
+last RECENT steps, the first step after a switch left out (H200, run 8: at one
+request the tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of
+another run 7.9 ms; the cause was not found).  VLLM_DDTREE_ARMS="window,explore" overrides both (tests).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from collections import deque
 
 WINDOW = 4
 EXPLORE = 16
 CLEAR = 1.15
-MIN_STEPS = 3
+MIN_STEPS = 4
+WELL = 12  # steps of the less played arm before exploring less than every EXPLORE-th
+RECENT = 16  # step times kept per arm
 DECAY = 0.97  # weight of older steps, per step of the same arm
 MARGIN = 1.02  # the other arm must beat the leader by 2 % to take the lead
 LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
@@ -64,18 +71,20 @@ def publish(rows) -> None:
 
 
 class Arm:
-    """Decayed sums of one arm's output tokens, seconds and steps at one batch size."""
+    """One arm at one batch size: decayed sums of its output tokens and seconds, and
+    its recent step times (their median is its step time: robust to a slow step)."""
 
-    __slots__ = ("tokens", "seconds", "weight", "steps")
+    __slots__ = ("tokens", "seconds", "steps", "recent")
 
     def __init__(self):
-        self.tokens = self.seconds = self.weight = 0.0
+        self.tokens = self.seconds = 0.0
         self.steps = 0
+        self.recent = deque(maxlen=RECENT)
 
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens = self.tokens * DECAY + tokens
         self.seconds = self.seconds * DECAY + seconds
-        self.weight = self.weight * DECAY + 1.0
+        self.recent.append(seconds)
         self.steps += 1
 
     @property
@@ -85,8 +94,8 @@ class Arm:
 
     @property
     def step_s(self) -> float:
-        """Mean seconds per step (recent steps weigh more)."""
-        return self.seconds / self.weight if self.weight > 0 else 0.0
+        """Median seconds per step over the last RECENT steps."""
+        return statistics.median(self.recent) if self.recent else 0.0
 
 
 class ArmLookup(list):
@@ -108,6 +117,7 @@ class ArmLookup(list):
         self.picked = {key: 0 for key in self.stats}  # choices made, per arm
         self._last = None  # clock at the previous output, when that step was a decode
         self._logged = clock()
+        self._width: dict[int, int] = {}  # batch size -> drafts of its last decode step
         EXPECTED.clear()  # a new engine: nothing of an earlier one's drafter
 
     def __getitem__(self, n):
@@ -134,7 +144,9 @@ class ArmLookup(list):
                 self.leader[n] = lead
             best = lead
             lo = min(rate.values())
-            period = self.explore * (4 if lo > 0 and max(rate.values()) > CLEAR * lo else 1)
+            known = min(t.steps, c.steps) >= WELL
+            period = self.explore * (4 if known and lo > 0 and
+                                     max(rate.values()) > CLEAR * lo else 1)
             self.choices[n] += 1
             pick = other if self.choices[n] % period == 0 else best
         self.current[n] = pick
@@ -171,8 +183,9 @@ class ArmLookup(list):
             k = len(d)
         self._last = now
         arm = self.stats.get((n, k))
-        if arm is None or last is None:
-            return
+        switched, self._width[n] = self._width.get(n) != k, k
+        if arm is None or last is None or switched:  # the first step after a switch:
+            return  # its interval may hold the other arm's tail (not measured)
         sampled = model_runner_output.sampled_token_ids or []
         arm.add(sum(len(x) for x in sampled), now - last)
         if now - self._logged > LOG_EVERY:
