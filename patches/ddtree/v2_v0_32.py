@@ -86,7 +86,7 @@ SCHEDULER_EDIT = file_edit(SCHED, [
              "    observe(scheduler_output, model_runner_output)\n"),
         "observe(scheduler_output, model_runner_output)"),
 ], "V2 runner, ddtree_budget_control='auto': the tree or the chain per batch size, "
-   "by measured tokens/s")
+   "by tokens/s (measured step times, the drafter's expected tokens)")
 
 PROPOSER_EDITS = (SPECULATOR_EDIT, SCHEDULER_EDIT)
 SAMPLER_EDITS = (RUNNER_EDIT, STATE_EDIT)

@@ -123,7 +123,7 @@ def main() -> None:
     # -------- drafter side of the previous step: trees for slots 2 and 1
     spec = object.__new__(v2s.DDTreeSpeculator)  # no model: build_trees only
     spec.num_speculative_steps, spec.topk, spec.ddtree_budget = L, B, B
-    spec.synthetic, spec.chain_budget, spec._chain_at = None, 0, None
+    spec.synthetic, spec.chain_budget, spec._chain_at, spec.expect = None, 0, None, None
     spec.trees = v2_step.SlotTrees(R, B, "cpu")
     spec._top_vals = torch.zeros(R * L, B)
     spec._top_idx = torch.zeros(R * L, B, dtype=torch.int64)
@@ -342,7 +342,12 @@ def main() -> None:
     # position, -1 after, nothing stored; want > the chain budget: the tree
     spec.chain_budget = 2
     stored = spec.trees.parents.clone()
+    v2_arms = importlib.import_module(f"{pkg}.v2_arms")  # the choice's worker half
+    v2_arms.SAMPLE = 1  # every draft measured
+    spec.expect = v2_arms.ArmExpect([2, 3], 2, L, R, "cpu")
     chain = spec.build_trees(batch, store=True, want=2)
+    assert spec.expect.measured and float(spec.expect.sums[3, 3]) == 3  # E[chain] of 3
+    assert float(spec.expect.sums[3, 2]) > 0 and float(spec.expect.sums[3, 1]) == 0
     top1 = spec._top_idx[: 3 * L].view(3, L, B).gather(
         -1, spec._top_vals[: 3 * L].view(3, L, B).argmax(-1, keepdim=True)).squeeze(-1)
     assert torch.equal(chain[:, :2], top1[:, :2]) and chain[:, 2:].eq(-1).all()
@@ -408,6 +413,11 @@ def main() -> None:
     kv_before = [c.clone() for c in targets]
     hid2 = [h.clone() for h in hid]
     rt.commit(batch2, None, hid2)  # a chain step: nothing to move
+    # the calibration learnt from this chain step: request a accepted 2, c none
+    ctrl = spec.expect.ctrl
+    assert ctrl.num[1:3].tolist() == [1.0, 1.0] and ctrl.num[3:].eq(0).all()
+    assert ctrl.den[1:3].gt(0).all() and ctrl.den[3:].eq(0).all()
+    spec.expect = None
     assert all(torch.equal(c, c0) for c, c0 in zip(targets, kv_before))
     assert all(torch.equal(h, h0) for h, h0 in zip(hid2, hid))
     assert buf2.positions[:6].tolist() == [p2, p2 + 1, p2 + 2, 9, 10, 11]
