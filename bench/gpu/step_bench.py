@@ -31,7 +31,7 @@ with random safetensors written here (draft_load_config: safetensors).
     decoding; chain: budget B for 1-2 requests, a
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
     pinned, DDTree's V2 default: that schedule with chains of min(L, B - 1), and at 1-2
-    requests the tree or the chain by measured tokens/s, arms.py)
+    requests the tree or the chain by tokens/s, arms.py)
 
 With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
 default; DDTree follows it there): the same step walls, spans hooked on V2's own

@@ -16,8 +16,9 @@ payload/config.py: ddtree_v2_enabled):
   and of every FULL CUDA-graph capture is marked (``md.ddtree``) for the backends'
   tree-attention hooks;
 * ``Scheduler``: with ddtree_budget_control='auto' on V2, the lookup of drafts per batch
-  size becomes an ``ArmLookup`` (arms.py: the tree or the chain, by measured tokens/s)
-  and every step output reaches its ``observe``.
+  size becomes an ``ArmLookup`` (arms.py: the tree or the chain, by tokens/s from
+  measured step times and the drafter's expected tokens) and every step output reaches
+  its ``observe``.
 """
 
 from __future__ import annotations

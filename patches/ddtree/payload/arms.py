@@ -1,4 +1,4 @@
-"""The tree or the chain, chosen by measured tokens/s per batch size (V2 runner).
+"""The tree or the chain, chosen by tokens/s per batch size (V2 runner).
 
 vLLM's scheduler picks how many drafts the next step verifies from the batch size (its
 ``dynamic_sd_lookup``, built from num_speculative_tokens_per_batch_size).  With

@@ -358,7 +358,7 @@ def default_batch_policy(vllm_config, spec) -> None:
         init_logger(__name__).info(
             "DDTree: drafts per batch size %s, chain steps for <= %d drafts; %s",
             spec.num_speculative_tokens_per_batch_size, c,
-            "the tree or the chain by measured tokens/s where the budget is a tree "
-            "(ddtree_budget_control='off': fixed)" if mode == "auto" else "fixed")
+            "where the budget is a tree, the tree or the chain by tokens/s "
+            "(ddtree_budget_control='off' keeps it fixed)" if mode == "auto" else "fixed")
     except Exception:  # noqa: BLE001  (logging only)
         pass
