@@ -269,3 +269,15 @@ def test_a_switch_and_a_slow_step_do_not_set_the_step_time(monkeypatch):
     tree, chain = lookup.stats[(1, TREE)], lookup.stats[(1, CHAIN)]
     assert tree.steps == 5 and tree.step_s == 8
     assert chain.steps == 1 and chain.step_s == 7
+
+
+def test_an_unreadable_output_turns_the_choice_off_not_the_scheduler(monkeypatch):
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+    lookup = arms.ArmLookup([0, TREE, TREE, CHAIN], CHAIN)
+    assert lookup[1] == TREE
+    so, _ = out({"a": 1 + CHAIN}, {"a": CHAIN}, [1])
+    lookup.observe(so, SimpleNamespace(sampled_token_ids=[[1]]))
+    lookup.observe(so, SimpleNamespace(sampled_token_ids=[5]))  # no len(): unreadable
+    assert lookup.arms == {}
+    assert [lookup[n] for n in (1, 2, 3)] == [TREE, TREE, CHAIN]  # the fixed schedule
+    lookup.observe(so, None)  # off: nothing read any more

@@ -167,7 +167,19 @@ class ArmLookup(list):
     def observe(self, scheduler_output, model_runner_output) -> None:
         """A step's output: for a pure decode step (every request verifies the same k
         drafts) whose previous step was one too, the tokens it emitted over the time
-        since that step's output go to the arm (batch size, k)."""
+        since that step's output go to the arm (batch size, k).  An output it cannot
+        read turns the choice off (the fixed schedule answers), with one warning: the
+        scheduler must never fail for it."""
+        if not self.arms:
+            return
+        try:
+            self._observe(scheduler_output, model_runner_output)
+        except Exception as e:  # noqa: BLE001
+            self.arms = {}
+            _log(f"turned off (fixed schedule from now on): cannot read a step output: "
+                 f"{e!r}", warn=True)
+
+    def _observe(self, scheduler_output, model_runner_output) -> None:
         now = self.clock()
         last, self._last = self._last, None
         sched = scheduler_output.num_scheduled_tokens
@@ -207,11 +219,12 @@ class ArmLookup(list):
         return out
 
 
-def _log(summary: dict) -> None:
+def _log(what, warn: bool = False) -> None:
     try:
         from vllm.logger import init_logger
 
-        init_logger(__name__).info("DDTree tree vs chain by batch size: %s", summary)
+        log = init_logger(__name__)
+        (log.warning if warn else log.info)("DDTree tree vs chain by batch size: %s", what)
     except Exception:  # noqa: BLE001  (logging only)
         pass
 
