@@ -128,11 +128,18 @@ def arms_of(llm):
 
 
 def reset_arms(llm) -> None:
-    """A fresh controller (nothing measured yet) in the scheduler, if there is one."""
+    """A fresh controller (nothing measured yet) in the scheduler, if there is one, and
+    fresh expectations (sums, calibration) in the worker."""
     lookup = arms_of(llm)
-    if lookup is not None:
-        llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup = \
-            type(lookup)(list(lookup), lookup.chain)
+    if lookup is None:
+        return
+    llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup = \
+        type(lookup)(list(lookup), lookup.chain)
+    spec = getattr(runner_of(llm), "speculator", None)
+    ex = getattr(spec, "expect", None)
+    if ex is not None:
+        spec.expect = type(ex)(ex.tree_sizes, ex.chain, ex.depth, ex.max_reqs,
+                               ex.sums.device)
 
 
 def teardown(llm) -> None:

@@ -120,7 +120,7 @@ for s in $STAGES; do
       for i in ${V2REPEAT_ROUNDS:-$(seq "${REPEATS:-3}")}; do
         for c in ${V2REPEAT_CONFIGS:-chain15async ddtree64chainasync}; do
           VLLM_USE_V2_MODEL_RUNNER=1 VLLM_DDTREE_V2=1 BENCH_BATCHES=${V2REPEAT_BATCHES:-1,4,16,32} \
-            BENCH_E2E_BATCHES=${V2REPEAT_E2E:-1,2,4,16,32} BENCH_E2E_ALL=1 timeout "$(left ${T_V2REPEAT:-200})" \
+            BENCH_E2E_BATCHES=${V2REPEAT_E2E:-1,2,4,16,32} BENCH_E2E_ALL=1 timeout "$(left ${T_V2REPEAT:-240})" \
             python3 "$HERE/step_bench.py" "$OUT/v2repeat/r$i" "$c" > "$OUT/v2repeat_r${i}_$c.txt" 2>&1
           grep -E " N [0-9]+ step ms|e2e" "$OUT/v2repeat_r${i}_$c.txt" | cut -c1-110
         done
