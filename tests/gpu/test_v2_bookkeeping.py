@@ -134,7 +134,7 @@ def make_runner(dev, core, v2_step, temperature=0.0):
     runner = SimpleNamespace(
         device=torch.device(dev), max_num_reqs=4, req_states=req_states,
         speculative_config=SimpleNamespace(ddtree_budget=B),
-        speculator=SimpleNamespace(num_speculative_steps=L, trees=trees,
+        speculator=SimpleNamespace(num_speculative_steps=L, trees=trees, expect=None,
                                    draft_attn_layer_names={"drafter.layers.0.attn"}),
         model_state=SimpleNamespace(),
         sampler=SimpleNamespace(sampling_states=st, compute_nans=False,

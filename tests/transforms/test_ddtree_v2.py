@@ -150,13 +150,16 @@ def test_prepare_attn_marks_only_with_ddtree(pristine, version):
 @pytest.fixture
 def config_module(monkeypatch):
     """payload/config.py importable as vllm.v1.spec_decode.ddtree.config"""
-    spec = importlib.util.spec_from_file_location("ddtree_cfg_v2", PAYLOAD / "config.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     for k in ("vllm", "vllm.v1", "vllm.v1.spec_decode", "vllm.v1.spec_decode.ddtree"):
         _stub(monkeypatch, k)
-    monkeypatch.setitem(sys.modules, "vllm.v1.spec_decode.ddtree.config", mod)
-    return mod
+    mods = {}
+    for name in ("arms", "config"):  # config imports .arms (the controller's knobs)
+        spec = importlib.util.spec_from_file_location(f"vllm.v1.spec_decode.ddtree.{name}",
+                                                      PAYLOAD / f"{name}.py")
+        mods[name] = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, mods[name])
+        spec.loader.exec_module(mods[name])
+    return mods["config"]
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
@@ -309,6 +312,15 @@ def test_v2_controller_refusals(config_module, monkeypatch, given, match):
     monkeypatch.delenv("VLLM_DDTREE_ASYNC", raising=False)
     with pytest.raises(ValueError, match=match):
         config_module.ddtree_vllm_config(_engine_cfg(**given))
+
+
+def test_a_bad_arms_knob_is_refused_at_configuration(config_module, monkeypatch):
+    sys.modules["vllm"].envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
+    monkeypatch.delenv("VLLM_DDTREE_ASYNC", raising=False)
+    monkeypatch.setenv("VLLM_DDTREE_ARMS", "4")
+    with pytest.raises(ValueError, match="VLLM_DDTREE_ARMS"):
+        config_module.ddtree_vllm_config(_engine_cfg())
+    config_module.ddtree_vllm_config(_engine_cfg(ddtree_budget_control="off"))  # unused
 
 
 def test_chain_budget_is_checked_and_v2_only(config_module, monkeypatch):

@@ -23,7 +23,8 @@ and one is ahead by more than CLEAR) plays the other arm: about 6 % of the steps
 the two are close, 1.5 % when they are not.  A step time is the median of an arm's
 last RECENT steps, the first step after a switch left out (H200, run 8: at one
 request the tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of
-another run 7.9 ms; the cause was not found).  VLLM_DDTREE_ARMS="window,explore" overrides both (tests).
+another run 7.9 ms; the cause was not found).  VLLM_DDTREE_ARMS="window,explore"
+overrides WINDOW and EXPLORE (tests); a bad value is refused at engine configuration.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
 
 
 def _knobs() -> tuple[int, int]:
+    """(WINDOW, EXPLORE), or VLLM_DDTREE_ARMS's; ValueError for a bad value."""
     raw = os.environ.get("VLLM_DDTREE_ARMS", "").strip()
     if not raw:
         return WINDOW, EXPLORE

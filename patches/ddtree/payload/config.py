@@ -350,6 +350,10 @@ def default_batch_policy(vllm_config, spec) -> None:
     if not sched:
         spec.num_speculative_tokens_per_batch_size = [[1, TREE_MAX_REQS, b],
                                                       [TREE_MAX_REQS + 1, 1 << 16, c]]
+    if mode == "auto":  # a bad VLLM_DDTREE_ARMS: refused here, not at scheduler start
+        from .arms import _knobs
+
+        _knobs()
     spec.ddtree_chain_budget = c
     spec.ddtree_budget_control = mode
     try:

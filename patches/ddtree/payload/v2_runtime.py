@@ -226,7 +226,7 @@ class V2DDTree:
         if step.input_batch is not input_batch:
             raise RuntimeError("DDTree V2: the drafter got another batch than the one "
                                "verified")
-        expect = getattr(self.speculator, "expect", None)
+        expect = self.speculator.expect  # the tree-vs-chain choice's worker half, or None
         if step.chain:  # linear positions, the path is already in place
             if walk is not None and self.stats.path is not None:
                 self.stats.observe_chain(step.pack[: step.n], walk.num_accepted)
