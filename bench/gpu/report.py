@@ -90,7 +90,7 @@ def e2e_repeat_table(runs: list) -> str:
     each round's ratio to the same round's chain, and the medians."""
     base = _base(runs)
     names = sorted({k for r in runs for k in r if r[k].get("e2e")})
-    cells = sorted({c for r in runs for k in names for c in r[k]["e2e"]},
+    cells = sorted({c for r in runs for k in names for c in r.get(k, {}).get("e2e", {})},
                    key=lambda c: (c.rsplit("_N", 1)[0], int(c.rsplit("_N", 1)[1])))
     out = ["| config | cell | " + " | ".join(f"round {i + 1} tok/s (/ chain)"
                                             for i in range(len(runs)))

@@ -241,8 +241,10 @@ class Hooks:
             for name, evs in s["ev"].items():
                 phases.setdefault(name, []).append(sum(a.elapsed_time(b) for a, b in evs))
         out = {k: round(statistics.median(v), 4) for k, v in phases.items()}
-        if walls:
+        if walls:  # the mean and the largest show stalls (compiles) the median hides
             out["wall"] = round(statistics.median(walls), 4)
+            out["wall_mean"] = round(statistics.fmean(walls), 4)
+            out["wall_max"] = round(max(walls), 4)
         return out
 
     def summary(self, verify_tokens: int) -> dict:
@@ -384,6 +386,30 @@ def use_synthetic_v2(runner, kind, synth):
         spec.propose = propose
 
 
+def host_profile(out_dir, name, n):
+    """BENCH_CPROFILE=1: cProfile the host over one step-table run (where DDTree's
+    host time per step goes); returns the function that stops it and writes
+    cprofile_<config>_N<n>.txt (top functions by own and by cumulative time)."""
+    if os.environ.get("BENCH_CPROFILE") != "1":
+        return None
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+
+    def stop():
+        pr.disable()
+        buf = io.StringIO()
+        st = pstats.Stats(pr, stream=buf)
+        st.sort_stats("tottime").print_stats(45)
+        st.sort_stats("cumulative").print_stats(60)
+        with open(os.path.join(out_dir, f"cprofile_{name}_N{n}.txt"), "w") as f:
+            f.write(buf.getvalue())
+    return stop
+
+
 def run_config(name, out_dir, res):
     spec = parse(name)
     kind, k = spec["kind"], spec["k"]
@@ -401,7 +427,10 @@ def run_config(name, out_dir, res):
         if i == 0:
             C.generate(llm, toks, 8)  # warm-up (Triton compiles, allocator)
         hooks.reset()
+        prof = host_profile(out_dir, name, n)
         outs, dt = C.generate(llm, toks, NEW)
+        if prof is not None:
+            prof()
         s = hooks.summary(n * (1 + budget_at(spec, n)))
         s["generate_s"] = dt
         s["tokens"] = sum(len(o) for o in outs)

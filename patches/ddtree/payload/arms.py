@@ -11,11 +11,12 @@ plays the other arm for a few steps now and then, so a change of acceptance (ano
 prompt, another drafter) is seen.  Both arms are lossless: the choice moves speed only.
 
 Tokens/s of an arm = tokens per step / seconds per step.  Seconds per step are
-measured here (stable from a few steps).  Tokens per step, measured, are too noisy to
-compare arms over a few steps (one step's accepted length varies as much as its mean),
-so where the worker runs in this process (vLLM's in-process executor: one GPU) it
-publishes the drafter's calibrated expectations for both arms (v2_arms.py, EXPECTED);
-elsewhere (TP > 1) the measured tokens stand in.  The verify width is fixed a step
+measured here (stable from a few steps).  Tokens per step, measured on each arm's own
+steps, are too noisy to compare arms over a few steps (one step's accepted length
+varies as much as its mean), so where the worker runs in this process (vLLM's
+in-process executor: one GPU) it publishes both arms' tokens measured on the same tree
+steps (v2_arms.py: the chain's accepted length is read off the tree step's output;
+EXPECTED); elsewhere (TP > 1) the measured tokens stand in.  The verify width is fixed a step
 ahead (async scheduling), so the choice is per batch size, not per step as on V1
 (core/budget.py).  The first steps of each arm calibrate; after that, a choice holds
 WINDOW steps, and every EXPLORE-th choice (4 x EXPLORE once both arms have WELL steps
@@ -60,13 +61,13 @@ def _knobs() -> tuple[int, int]:
     return w, e
 
 
-# batch size -> (tokens per request-step of the tree, of the chain): the drafter's
-# calibrated expectations, published by the worker in this process (v2_arms.py)
+# batch size -> (tokens per request-step of the tree, of the chain), both measured on
+# the same tree steps and published by the worker in this process (v2_arms.py)
 EXPECTED: dict[int, tuple[float, float]] = {}
 
 
 def publish(rows) -> None:
-    """rows[n] = [E tree sum, tree drafts, E chain sum, chain drafts] (v2_arms.py)."""
+    """rows[n] = [tree accepted sum, rows, chain accepted sum, rows] (v2_arms.py)."""
     for n, (t, tn, c, cn) in enumerate(rows):
         if tn > 0 and cn > 0:
             EXPECTED[n] = (1.0 + t / tn, 1.0 + c / cn)

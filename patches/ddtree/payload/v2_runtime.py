@@ -230,9 +230,6 @@ class V2DDTree:
         if step.chain:  # linear positions, the path is already in place
             if walk is not None and self.stats.path is not None:
                 self.stats.observe_chain(step.pack[: step.n], walk.num_accepted)
-            if walk is not None and expect is not None and step.n in expect.tree_sizes:
-                expect.verified(input_batch.idx_mapping[: step.n],
-                                walk.num_accepted[: step.n], True, k_chain=self.chain_budget)
             return
         n, dev = step.n, step.pack.device
         rows, nacc, src, dst, start, neff = cuda_step.commit_views(
@@ -247,9 +244,9 @@ class V2DDTree:
         for gid, caches in self._target_kv():
             compact_kv(caches, tables.input_block_tables[gid][:n], tables.block_sizes[gid],
                        start, rows, neff, "heads_packed")
-        if expect is not None and n in expect.tree_sizes:
-            expect.verified(input_batch.idx_mapping[:n], walk.num_accepted[:n], False,
-                            num_nodes=step.pack[:n], valid=step.pack[n: 2 * n] >= 0)
+        if expect is not None:  # the tree's accepted drafts and the chain's, this step
+            expect.verified(n, input_batch.idx_mapping[:n], walk.output_tokens,
+                            walk.num_accepted, step.pack[n: 2 * n] >= 0)
         if self.stats.path is not None:
             trees = (step.pack[n: 2 * n] >= 0).nonzero().flatten().tolist()
             self.stats.observe(step.tree, walk.accepted_rows, walk.num_accepted, trees)

@@ -29,7 +29,7 @@ import torch
 
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from .core import build_tree_from_topk, top1
+from .core import build_tree_from_topk
 from .core.vocab_topk import vocab_topk
 from .v2_step import SlotTrees
 
@@ -66,7 +66,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._chain_at = None if not self.chain_budget else \
             [0 < k <= self.chain_budget for k in self._budget_at]
         self.runtime = None  # V2DDTree, set when the runner builds it
-        # the tree-vs-chain choice (arms.py): expected tokens of both arms per draft
+        # the tree-vs-chain choice (arms.py): both arms' tokens, measured on tree steps
         self.expect = None
         sizes = [n for n, k in enumerate(self._budget_at) if n and k > self.chain_budget]
         if getattr(spec, "ddtree_budget_control", None) == "auto" and self.chain_budget \
@@ -157,16 +157,13 @@ class DDTreeSpeculator(DFlashSpeculator):
         is False (dummy runs); for ``want`` <= chain_budget drafts, the top-1 chain of
         the first ``want`` positions (-1 after), nothing stored."""
         vals, idx, lse = self.kept(batch, store)
-        expect = self.expect if store else None
         if want is not None and 0 < want <= self.chain_budget:
-            if expect is not None:
-                expect.draft(batch.num_reqs, vals, idx, lse, batch.idx_mapping)
-            return chain_tokens(vals, idx, want, self.ddtree_budget)
+            return chain_tokens(idx, want, self.ddtree_budget)
         tree = build_tree_from_topk(vals, idx, self.ddtree_budget, self.ddtree_budget, lse)
         if store:
             self.trees.store(batch.idx_mapping, tree)
-        if expect is not None:
-            expect.draft(batch.num_reqs, vals, idx, lse, batch.idx_mapping, tree)
+            if self.expect is not None:  # the top-1 chain, to measure it on this tree
+                self.expect.draft(idx, batch.idx_mapping)
         return tree.tokens
 
     def _synthetic(self, batch, vals, idx, lse) -> None:
@@ -183,9 +180,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             rows = self.synthetic.distributions(prompt, computed[i], i, L, self.vocab_size)
             if rows is None:
                 continue
-            rows = rows.to(vals.device)
-            v, j = torch.topk(rows, self.topk, dim=-1, sorted=False)
-            vals[i], idx[i], lse[i] = v, j, torch.logsumexp(rows, -1)
+            v, j, ls = vocab_topk(rows.to(vals.device), self.topk)  # key order
+            vals[i], idx[i], lse[i] = v, j, ls
 
 
 def budgets_by_batch_size(spec, max_reqs: int) -> list[int]:
@@ -202,9 +198,9 @@ def budgets_by_batch_size(spec, max_reqs: int) -> list[int]:
     return [b] + [min(k, b) if k > 0 else b for k in lookup[1:]]
 
 
-def chain_tokens(vals: torch.Tensor, idx: torch.Tensor, k: int, width: int) -> torch.Tensor:
-    """[N, width] int64: the top-1 token (core.top1) of positions 0..k-1 of the kept
-    top-K [N, L, K], -1 after."""
-    out = torch.full((vals.shape[0], width), -1, dtype=torch.int64, device=vals.device)
-    out[:, :k] = top1(vals[:, :k], idx[:, :k])[0]
+def chain_tokens(idx: torch.Tensor, k: int, width: int) -> torch.Tensor:
+    """[N, width] int64: the top-1 token of positions 0..k-1 of the kept top-K ids
+    [N, L, K] (kept in key order: column 0 is the top-1 by core.top1's rule), -1 after."""
+    out = torch.full((idx.shape[0], width), -1, dtype=torch.int64, device=idx.device)
+    out[:, :k] = idx[:, :k, 0]
     return out
