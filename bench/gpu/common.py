@@ -129,7 +129,7 @@ def arms_of(llm):
 
 def reset_arms(llm) -> None:
     """A fresh controller (nothing measured yet) in the scheduler, if there is one, and
-    fresh expectations (sums, calibration) in the worker."""
+    nothing measured in the worker's half (v2_arms.ArmExpect.reset)."""
     lookup = arms_of(llm)
     if lookup is None:
         return
@@ -138,8 +138,7 @@ def reset_arms(llm) -> None:
     spec = getattr(runner_of(llm), "speculator", None)
     ex = getattr(spec, "expect", None)
     if ex is not None:
-        spec.expect = type(ex)(ex.tree_sizes, ex.chain, ex.depth, ex.max_reqs,
-                               ex.sums.device)
+        ex.reset()
 
 
 def teardown(llm) -> None:

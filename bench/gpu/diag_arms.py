@@ -16,12 +16,14 @@ dev = "cuda"
 n, L, K, C = 2, 15, 64, 15
 ex = v2a.ArmExpect([1, 2], C, L, 32, torch.device(dev))
 idx = torch.randint(0, 151936, (n, L, K), device=dev)
+vals = torch.randn(n, L, K, device=dev).sort(-1, descending=True).values
+lse = torch.logsumexp(vals, -1) + 1
 slots = torch.tensor([3, 0], device=dev)
 out = torch.full((n, L + 1), -1, dtype=torch.int64, device=dev)
 out[:, :4] = idx[:, :4, 0]
 acc = torch.tensor([3, 3], device=dev)
 valid = torch.ones(n, dtype=torch.bool, device=dev)
-fs = {"draft (tree step)": lambda: ex.draft(idx, slots),
+fs = {"draft (tree step)": lambda: ex.draft(vals, idx, lse, slots),
       "verified (tree step)": lambda: ex.verified(n, slots, out, acc, valid)}
 for f in fs.values():
     for _ in range(10):

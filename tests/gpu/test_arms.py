@@ -167,6 +167,8 @@ def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev):
     the tree step's output (path + bonus); past the bonus it is not known (counted up
     to it).  Both sums are published (on CUDA through pinned memory, one period late,
     without a sync); rows without a tree and other batch sizes add nothing."""
+    import math
+
     import torch
 
     v2_arms = payload_module("v2_arms")
@@ -182,8 +184,11 @@ def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev):
     top1 = torch.tensor([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25],
                          [30, 31, 32, 33, 34, 35]])
     idx = torch.stack([top1, top1 + 100, top1 + 200], -1).to(dev)
+    vals = torch.tensor([math.log(0.5), math.log(0.2), math.log(0.1)], device=dev)
+    vals = vals.expand(3, depth, 3).contiguous()  # top-1 probability 0.5 everywhere
+    lse = torch.zeros(3, depth, device=dev)
     slots = torch.tensor([3, 1, 0], device=dev)
-    ex.draft(idx, slots)
+    ex.draft(vals, idx, lse, slots)
     assert torch.equal(ex.top1[slots].cpu(), top1[:, :chain])
     out, acc = _walk_out([
         [10, 11, 112, 13, 7],  # slot 3: the tree took a sibling at depth 3: chain 2
@@ -202,22 +207,25 @@ def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev):
     # published: one period late, through pinned memory on CUDA (no sync)
     monkeypatch.setattr(v2_arms, "PUBLISH", 1)
     ex = fresh()
-    ex.draft(idx, torch.tensor([3, 1, 0], device=dev))
+    ex.draft(vals, idx, lse, torch.tensor([3, 1, 0], device=dev))
     ex.verified(3, slots, out, acc, valid)
     if dev == "cuda":
         torch.cuda.synchronize()
     ex.verified(2, slots[:2], out[:2], acc[:2], valid)
     assert arms.EXPECTED[3] == pytest.approx((1 + 10 / 3, 1 + 8 / 3))
 
-    # the bonus is the chain's next token but the tree had no such node: counted up to
-    # the bonus (a lower bound); a row without a tree (valid False) is left out
+    # the bonus is the chain's next token but the tree had no such node: known up to
+    # the bonus, then the drafter's expected rest (position 3: p = 0.5); a row without
+    # a tree (valid False) is left out
     monkeypatch.setattr(v2_arms, "PUBLISH", 1000)
     ex = fresh()
-    ex.draft(idx, torch.tensor([3, 1, 0], device=dev))
+    ex.draft(vals, idx, lse, torch.tensor([3, 1, 0], device=dev))
     out2, acc2 = _walk_out([[10, 11, 12], [99, 1]], depth + 1)
     ex.verified(2, torch.tensor([3, 1], device=dev), out2.to(dev), acc2.to(dev),
                 torch.tensor([True, False], device=dev))
-    assert ex.sums[2].tolist() == [2, 1, 3, 1]
+    assert ex.sums[2].tolist() == [2, 1, 3.5, 1]
+    ex.reset()  # what the benchmark calls between cells (bench/gpu/common.py)
+    assert float(ex.sums.abs().sum()) == 0 and not ex.pending and ex.calls == 0
 
 
 def test_a_chain_that_is_not_in_the_tree_is_still_read_off_the_output():
@@ -227,7 +235,8 @@ def test_a_chain_that_is_not_in_the_tree_is_still_read_off_the_output():
 
     v2_arms = payload_module("v2_arms")
     ex = v2_arms.ArmExpect([1], 3, 3, max_reqs=1, device="cpu")
-    ex.draft(torch.tensor([[[5, 6], [7, 8], [9, 1]]]), torch.tensor([0]))
+    ex.draft(torch.zeros(1, 3, 2), torch.tensor([[[5, 6], [7, 8], [9, 1]]]),
+             torch.zeros(1, 3), torch.tensor([0]))
     out, acc = _walk_out([[4]], 4)
     ex.verified(1, torch.tensor([0]), out, acc, torch.tensor([True]))
     assert ex.sums[1].tolist() == [0, 1, 0, 1]
@@ -296,17 +305,122 @@ def test_the_worker_half_never_syncs_the_host(monkeypatch):
     monkeypatch.setattr(v2_arms, "PUBLISH", 2)
     ex = v2_arms.ArmExpect([2], 4, 6, max_reqs=4, device="cuda")
     idx = torch.randint(0, 1000, (2, 6, 3), device="cuda")
+    vals, lse = torch.zeros(2, 6, 3, device="cuda"), torch.ones(2, 6, device="cuda")
     slots = torch.tensor([3, 0], device="cuda")
     out, acc = _walk_out([[1, 2, 3], [4]], 7)
     out, acc = out.cuda(), acc.cuda()
     valid = torch.ones(2, dtype=torch.bool, device="cuda")
-    ex.draft(idx, slots)
+    ex.draft(vals, idx, lse, slots)
     ex.verified(2, slots, out, acc, valid)  # warm: first launches, allocations
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(8):
-            ex.draft(idx, slots)
+            ex.draft(vals, idx, lse, slots)
             ex.verified(2, slots, out, acc, valid)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def _tree_step(seed: int, n: int, L: int, V: int, B: int, probs):
+    """One tree step of n requests against a target whose continuation is known
+    (token t -> pi(t)): drafter logits = log(probs) on ranks 0.. (the rest spread),
+    the true token at a rank drawn from ``probs`` (calibrated); the real tree build and
+    greedy walk.  Returns (vals, idx, lse, walk, the top-1 chain's real accepted
+    length per row for chains of every length)."""
+    import torch
+
+    from ddtree_patcher.core import build_tree_from_topk, vocab_topk, walk_greedy
+
+    g = torch.Generator().manual_seed(seed)
+    p = torch.tensor(probs, dtype=torch.float64)
+    pi = torch.randperm(V, generator=g)
+    root = torch.randint(0, V, (n,), generator=g)
+    true = torch.empty(n, L, dtype=torch.int64)
+    t = root
+    for d in range(L):
+        t = pi[t]
+        true[:, d] = t
+    rest = float((1 - p.sum()) / (V - len(probs)))
+    logits = torch.full((n, L, V), rest, dtype=torch.float64)
+    ranked = torch.rand(n, L, V, generator=g).argsort(-1)[..., : len(probs)]
+    logits.scatter_(-1, ranked, p.expand(n, L, -1).contiguous())
+    rank = torch.multinomial(torch.cat([p, p.new_tensor([1 - p.sum()])]).float(),
+                             n * L, True, generator=g).view(n, L)
+    # the true token takes rank r's place (r = len(probs): a tail token)
+    tail = torch.where(logits == rest, torch.rand(n, L, V, generator=g, dtype=torch.float64),
+                       -1.0).argmax(-1)
+    at = torch.where(rank < len(probs), ranked.gather(-1, rank.clamp(
+        max=len(probs) - 1).unsqueeze(-1)).squeeze(-1), tail)
+    tv, av = logits.gather(-1, true.unsqueeze(-1)), logits.gather(-1, at.unsqueeze(-1))
+    logits.scatter_(-1, at.unsqueeze(-1), tv)
+    logits.scatter_(-1, true.unsqueeze(-1), av)
+    logits = logits.log().float()
+    vals, idx, lse = vocab_topk(logits, B)
+    tree = build_tree_from_topk(vals, idx, B, B, lse)
+    target = torch.cat([pi[root].unsqueeze(1), pi[tree.tokens.clamp(min=0)]], 1)
+    walk = walk_greedy(target, tree)
+    hits = (idx[..., 0] == true).long().cumprod(1)
+    return vals, idx, lse, walk, hits
+
+
+def _read_off(v2_arms, C, L, vals, idx, lse, walk):
+    """ArmExpect's per-row counts (tree, chain) of one tree step, one row at a time."""
+    import torch
+
+    n = idx.shape[0]
+    ex = v2_arms.ArmExpect([1], C, L, max_reqs=n, device="cpu")
+    slots = torch.randperm(n)
+    ex.draft(vals, idx, lse, slots)
+    tree, chain = [], []
+    for i in range(n):
+        before = ex.sums[1].clone()
+        ex.verified(1, slots[i: i + 1], walk.output_tokens[i: i + 1],
+                    walk.num_accepted[i: i + 1], torch.ones(1, dtype=torch.bool))
+        d = (ex.sums[1] - before).tolist()
+        assert d[1] == 1 and d[3] == 1
+        tree.append(d[0])
+        chain.append(d[2])
+    return torch.tensor(tree), torch.tensor(chain)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_chain_read_off_a_tree_step_is_what_the_chain_would_have_accepted(
+        seed, monkeypatch):
+    """Real tree build and greedy walk: where the step's output decides it, the chain's
+    count is exactly the top-1 chain's real accepted length; where the chain matched
+    the bonus too (the tree left out its next node) it is at least that and at most C;
+    the tree's count is the walk's."""
+    import torch
+
+    v2_arms = payload_module("v2_arms")
+    monkeypatch.setattr(v2_arms, "PUBLISH", 10 ** 6)  # sums kept whole
+    n, L, V, B, C = 400, 6, 40, 6, 5
+    vals, idx, lse, walk, hits = _tree_step(seed, n, L, V, B, [0.55, 0.2, 0.1])
+    real = hits[:, :C].sum(1).float()
+    tree, chain = _read_off(v2_arms, C, L, vals, idx, lse, walk)
+    acc = walk.num_accepted.float()
+    assert torch.allclose(tree, acc, atol=1e-4)  # (differences of float32 sums)
+    known = chain < acc + 0.5
+    assert torch.allclose(chain[known], real[known], atol=1e-4)
+    censored = ~known
+    assert censored.any() and known.float().mean() > 0.5  # both kinds of row
+    assert (chain[censored] >= acc[censored] + 1 - 1e-4).all() and (chain <= C + 1e-4).all()
+    assert (real[censored] >= acc[censored] + 1).all()
+
+
+def test_the_chain_read_off_tree_steps_is_right_on_average(monkeypatch):
+    """With a calibrated drafter the read-off count (exact where known, the drafter's
+    expected rest past the bonus) averages the chain's real accepted length; a small
+    tree (B = 4) leaves the chain out often, so the expected rest matters."""
+    v2_arms = payload_module("v2_arms")
+    monkeypatch.setattr(v2_arms, "PUBLISH", 10 ** 6)
+    n, L, V, B, C = 3000, 6, 40, 4, 6
+    vals, idx, lse, walk, hits = _tree_step(7, n, L, V, B, [0.75, 0.1, 0.05])
+    real = hits[:, :C].sum(1).float()
+    tree, chain = _read_off(v2_arms, C, L, vals, idx, lse, walk)
+    censored = chain > walk.num_accepted.float() + 0.5
+    assert censored.float().mean() > 0.2
+    assert float(chain.mean()) == pytest.approx(float(real.mean()), rel=0.02)
+    lower = chain.minimum(walk.num_accepted.float() + 1)  # up to the bonus only
+    assert float(lower.mean()) < 0.95 * float(real.mean())  # without the rest: biased

@@ -3,15 +3,16 @@ measured on the same tree steps.
 
 Accepted lengths vary from step to step as much as their mean, so comparing the tree's
 steps with the chain's (other steps, other tokens) needs many steps.  A tree step
-shows both arms at once: the tree holds the drafter's top-1 chain as deep as it
-matters, and the walk's output (the accepted path, then the bonus token) is the
-target's own continuation, so the chain's accepted length on that step is the common
-prefix of the top-1 chain and that output.  Only past the bonus token it is unknown;
-there it counts as accepted up to the bonus (a lower bound, reached only when the
-tree left out the chain's next node).  For sampled requests the same holds: the walk
-draws each position's token from the target with the position's own uniform, which
-a chain walk would have drawn too.  Each pair comes from one step, so the ratio of
-the two arms is known after a few tree steps; the chain's own steps add nothing.
+shows both arms at once: the walk's output (the accepted path, then the bonus token)
+is the target's own continuation, so the chain's accepted length on that step is the
+common prefix of the drafter's top-1 chain and that output.  Only past the bonus it
+is unknown (the chain matched the bonus too: the tree left out the chain's next
+node); there the rest is the drafter's expected run of the chain from that point
+(sum over d of the product of its top-1 probabilities).  For sampled requests the
+same holds: the walk draws each position's token from the target with the position's
+own uniform, which a chain walk would have drawn too.  Each pair comes from one step,
+so the ratio of the two arms is known after a few tree steps; the chain's own steps
+add nothing.
 
 Sums per batch size stay on the device (no host sync); every PUBLISH measured steps
 they are copied to pinned memory without a sync and published, one period later, to
@@ -40,6 +41,9 @@ class ArmExpect:
         # the top-1 chain of each request-state slot's last tree draft
         self.top1 = torch.zeros(max_reqs, max(self.chain, 1), dtype=torch.int64,
                                 device=device)
+        # and its log-probabilities (the expected rest of a chain the tree left out)
+        self.logp = torch.zeros(max_reqs, max(self.chain, 1), dtype=torch.float32,
+                                device=device)
         self._pos = torch.arange(max(self.chain, 1), device=device)
         cuda = torch.device(device).type == "cuda"
         self.host = torch.zeros(max_reqs + 1, 4, dtype=torch.float32, pin_memory=cuda)
@@ -47,11 +51,21 @@ class ArmExpect:
         self.calls = 0
         self.pending = False
 
-    def draft(self, idx: torch.Tensor, slots: torch.Tensor) -> None:
-        """A tree draft (kept top-K ids [n, L, K] in key order, so column 0 is each
-        position's top-1): keep its top-1 chain by slot for the verify step."""
+    def reset(self) -> None:
+        """Forget every measured step (benchmarks: each cell starts afresh)."""
+        self.sums.zero_()
+        self.calls = 0
+        self.pending = False
+
+    def draft(self, vals, idx, lse, slots) -> None:
+        """A tree draft (kept top-K logits and ids [n, L, K] in key order, so column 0
+        is each position's top-1; lse [n, L]): keep its top-1 chain and the chain's
+        log-probabilities by slot for the verify step."""
         if self.chain:
-            self.top1[slots] = idx[:, : self.chain, 0]
+            c = self.chain
+            self.top1[slots] = idx[:, :c, 0]
+            lp = (vals[:, :c, 0] - lse[:, :c]).float()
+            self.logp[slots] = torch.where(torch.isfinite(lp), lp.clamp(max=0.0), -1e4)
 
     def verified(self, n: int, slots, output_tokens, num_accepted, valid) -> None:
         """A verified tree step of n requests (slots; the walk's output [n, >= 1]: the
@@ -65,11 +79,21 @@ class ArmExpect:
         # the target's tokens at positions 0 .. acc are known (the path, then the bonus)
         hit = (self.top1[slots][:, :w] == out[:, :w]) & \
             (self._pos[:w].unsqueeze(0) <= acc.unsqueeze(1))
-        chain_acc = hit.long().cumprod(1).sum(1)
+        chain_acc = hit.long().cumprod(1).sum(1).float()
+        # a chain that matched every known token (the tree left out its next node)
+        # goes on past the bonus with the drafter's own probabilities: + sum over
+        # d > acc of prod_{acc < j <= d} p_j
+        start = acc + 1
+        cut = (chain_acc == start.float()) & (start < self.chain)
+        cum = self.logp[slots][:, : self.chain].cumsum(1)
+        base = cum.gather(1, acc.clamp(max=self.chain - 1).unsqueeze(1))
+        later = self._pos.unsqueeze(0) >= start.unsqueeze(1)
+        rest = (torch.exp(cum - base) * later).sum(1)
+        chain_acc = chain_acc + torch.where(cut, rest, 0.0)
         keep = valid[:n].to(torch.float32)
         rows = keep.sum()
         self.sums[n].add_(torch.stack([(acc.float() * keep).sum(), rows,
-                                       (chain_acc.float() * keep).sum(), rows]))
+                                       (chain_acc * keep).sum(), rows]))
         self._publish()
 
     # ---------------------------------------------------------------- to the scheduler

@@ -163,7 +163,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         if store:
             self.trees.store(batch.idx_mapping, tree)
             if self.expect is not None:  # the top-1 chain, to measure it on this tree
-                self.expect.draft(idx, batch.idx_mapping)
+                self.expect.draft(vals, idx, lse, batch.idx_mapping)
         return tree.tokens
 
     def _synthetic(self, batch, vals, idx, lse) -> None:
