@@ -196,30 +196,47 @@ def plots(sb, plot_dir):
 
 
 def e2e_by_batch_plot(sb, plot_dir, tag):
-    """tokens/s vs batch, one panel per synthetic-drafter profile (step_bench part (c)
-    with BENCH_E2E_ALL=1): chain and fixed-B DDTree side by side."""
+    """tokens/s vs batch, one column per synthetic-drafter profile (step_bench part (c)
+    with BENCH_E2E_ALL=1), every config side by side; a second row: each config over
+    the chain config (the first whose name starts with 'chain')."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     profiles = sorted({k.rsplit("_N", 1)[0] for v in sb.values() for k in v.get("e2e", {})})
-    fig, axes = plt.subplots(1, len(profiles), figsize=(4.2 * len(profiles), 4), sharey=False)
-    for ax, prof in zip(axes if len(profiles) > 1 else [axes], profiles):
+    base = next((k for k in sb if k.startswith("chain")), None)
+    fig, axes = plt.subplots(2, len(profiles), figsize=(4.2 * len(profiles), 7.2),
+                             squeeze=False)
+
+    def points(v, prof):
+        return sorted((int(k.rsplit("_N", 1)[1]), e["tok_per_s"])
+                      for k, e in v.get("e2e", {}).items() if k.rsplit("_N", 1)[0] == prof)
+
+    for col, prof in enumerate(profiles):
+        top, low = axes[0][col], axes[1][col]
+        ref = dict(points(sb[base], prof)) if base else {}
         for name, v in sb.items():
-            pts = sorted((int(k.rsplit("_N", 1)[1]), e["tok_per_s"])
-                         for k, e in v.get("e2e", {}).items() if k.rsplit("_N", 1)[0] == prof)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-                        linestyle="--" if name.startswith("chain") else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (requests)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{prof} drafter")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+            pts = points(v, prof)
+            if not pts:
+                continue
+            style = "--" if name.startswith("chain") else "-"
+            top.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                     linestyle=style)
+            rat = [(n, t / ref[n]) for n, t in pts if ref.get(n)]
+            low.plot([p[0] for p in rat], [p[1] for p in rat], marker="o", linestyle=style)
+        for ax in (top, low):
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+        top.set_title(f"{prof} drafter")
+        top.set_ylabel("tokens/s")
+        low.set_ylabel(f"/ {base}" if base else "")
+        low.set_xlabel("batch (requests)")
+        low.axhline(1.0, color="gray", linewidth=0.8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(f"End-to-end tokens/s vs batch ({tag}; one run per point)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     os.makedirs(plot_dir, exist_ok=True)
     path = os.path.join(plot_dir, f"e2e_by_batch_{tag}.png")
     fig.savefig(path, dpi=110)

@@ -41,3 +41,29 @@ def test_reset_arms_renews_both_halves():
     assert fresh is not lookup and list(fresh) == [0, 64, 64] and fresh.chain == 15
     assert fresh.stats[(1, 64)].steps == 0
     assert spec.expect is ex and float(ex.sums.abs().sum()) == 0
+
+
+def _step_bench():
+    path = COMMON.parent / "step_bench.py"
+    spec = importlib.util.spec_from_file_location("bench_step_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_synthetic_drafter_is_the_same_for_every_config():
+    """Ranks belong to the true tokens: the same text gets the same drafter whatever the
+    batch it is drafted in (so configs differ only by what they draft); its top-1 is
+    right as often as the profile says."""
+    sb = _step_bench()
+    V = 2000
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(0))
+    fs = sb.FastSynthetic(perm, [0.8, 0.1, 0.04])
+    meta = torch.empty(1, 1, V)
+    one = fs.logits(None, {"next_token_ids": torch.tensor([5])}, 1, 6, meta)
+    two = fs.logits(None, {"next_token_ids": torch.tensor([9, 5])}, 2, 6, meta)
+    assert torch.equal(one.argmax(-1), two[1:].argmax(-1))
+    assert torch.equal(one.topk(3, -1).indices, two[1:].topk(3, -1).indices)
+    t = torch.arange(V)
+    top1 = fs.logits(None, {"next_token_ids": t}, V, 1, meta).argmax(-1)[:, 0]
+    assert float((top1 == perm[t]).float().mean()) == pytest.approx(0.8, abs=0.03)
