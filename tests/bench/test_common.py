@@ -67,3 +67,11 @@ def test_the_synthetic_drafter_is_the_same_for_every_config():
     t = torch.arange(V)
     top1 = fs.logits(None, {"next_token_ids": t}, V, 1, meta).argmax(-1)[:, 0]
     assert float((top1 == perm[t]).float().mean()) == pytest.approx(0.8, abs=0.03)
+
+
+def test_config_names_of_the_step_bench():
+    sb = _step_bench()
+    cg = sb.parse("ddtree64autocgasync")
+    assert cg["cg"] and cg["auto"] and cg["async_sched"] and cg["k"] == 64 and cg["chain"] == 15
+    assert not sb.parse("ddtree64autoasync")["cg"]
+    assert sb.parse("ddtree64chainasync")["per_batch"] == [[1, 2, 64], [3, 1024, 15]]

@@ -562,7 +562,61 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
         assert cfg.speculative_config.num_speculative_tokens == 8  # untouched
         spec.load_model(get_model(vllm_config=cfg))
         assert len(spec.draft_attn_layer_names) == 5
+        _check_chain_arm_graphs(spec)
     print(OK)
+
+
+def _check_chain_arm_graphs(spec) -> None:
+    """The chain arm's draft graphs (v2_chain_graphs.py) against vLLM's own
+    CudaGraphManager candidates and dispatch (no graph is captured on the CPU: the
+    platform's graph pool is stubbed out), and the speculator's chain-arm mode."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+    from vllm.v1.spec_decode.ddtree import v2_chain_graphs as vcg
+    from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
+
+    assert spec.tree_sizes() == [1, 2] and spec.chain_graphs is None
+    # chain-arm mode: DFlash's sampling and 1 + C context rows per request, undone after
+    main = object()
+    spec.query_cudagraph_manager, spec.chain_graphs = main, "chain graphs"
+    with spec._chain_arm():
+        assert spec.query_cudagraph_manager == "chain graphs" and spec.drafts_chain(1)
+        assert [spec._num_graph_context_tokens(n) for n in (1, 2)] == [4, 8]
+    assert spec.query_cudagraph_manager is main and not spec.drafts_chain(1)
+    try:
+        with spec._chain_arm():
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    assert spec.query_cudagraph_manager is main and not spec._chain_mode
+    spec.query_cudagraph_manager = spec.chain_graphs = None
+
+    current_platform.get_global_graph_pool = lambda: None  # CPU: no graph pool
+    cc = spec.vllm_config.compilation_config
+    q = spec.num_query_per_req  # 4
+    for sizes, want_reqs in (([q, 2 * q, 3 * q, 4 * q], [1, 2]), ([q, 3 * q, 4 * q], [1, 3])):
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, max(sizes)
+        spec.query_cudagraph_manager = DFlashCudaGraphManager(
+            spec.vllm_config, spec.device, CUDAGraphMode.FULL_DECODE_ONLY, decode_query_len=q)
+        mgr = vcg.make(spec, spec.tree_sizes())
+        assert mgr is not None and mgr.needs_capture()
+        # exactly the graphs vLLM would replay for 1 and 2 requests (2 pads to 3 when
+        # no graph of 2 exists), nothing else
+        full = mgr._capture_descs[CUDAGraphMode.FULL]
+        assert sorted(d.num_reqs for d in full) == want_reqs, full
+        assert set(mgr._capture_descs) == {CUDAGraphMode.FULL}
+        mgr._graphs_captured = True
+        for n in (1, 2):
+            assert mgr.dispatch(n, n * q, q, 0) in full
+        assert mgr.dispatch(4, 4 * q, q, 0).cg_mode == CUDAGraphMode.NONE  # eager
+    spec.query_cudagraph_manager = DFlashCudaGraphManager(
+        spec.vllm_config, spec.device, CUDAGraphMode.NONE, decode_query_len=q)
+    assert vcg.make(spec, [1, 2]) is None  # no graphs, no chain-arm graphs
+    os.environ[vcg.ENV] = "0"
+    assert not vcg.enabled()
+    os.environ[vcg.ENV] = "1"
+    assert vcg.enabled()
+    spec.query_cudagraph_manager = None
 
 
 def _check_scheduler_arms(config) -> None:

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+from contextlib import contextmanager
 
 import torch
 
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+from . import v2_chain_graphs
 from .core import build_tree_from_topk
 from .core.vocab_topk import vocab_topk
 from .v2_step import SlotTrees
@@ -38,6 +40,8 @@ _PROPOSE = inspect.signature(DFlashSpeculator.propose)
 
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
+    _chain_mode = False  # a chain-arm draft (v2_chain_graphs.py) is running
+    chain_graphs = None  # the chain arm's draft graphs, or None
 
     def __init__(self, vllm_config, device):
         spec = vllm_config.speculative_config
@@ -68,7 +72,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.runtime = None  # V2DDTree, set when the runner builds it
         # the tree-vs-chain choice (arms.py): both arms' tokens, measured on tree steps
         self.expect = None
-        sizes = [n for n, k in enumerate(self._budget_at) if n and k > self.chain_budget]
+        sizes = self.tree_sizes()
         if getattr(spec, "ddtree_budget_control", None) == "auto" and self.chain_budget \
                 and sizes:
             from .v2_arms import ArmExpect
@@ -85,7 +89,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Context rows a captured draft step stores: a verify step has 1 + K target
         rows per request, K = the budget of its batch size (rows past them are stored
         eagerly before the replay); the largest count for the largest batch (it sizes
-        the staging buffer)."""
+        the staging buffer).  A chain-arm draft graph: 1 + C rows per request."""
+        if self._chain_mode:
+            return min(max(num_reqs, 1) * (self.chain_budget + 1), self.max_num_tokens)
         ks = self._budget_at
         rows = self._max_context if num_reqs >= len(ks) - 1 else \
             num_reqs * (ks[max(num_reqs, 1)] + 1)
@@ -110,7 +116,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         return idx[:, 0]
 
     def drafts_chain(self, num_reqs: int) -> bool:
-        """Is the budget of a batch of num_reqs requests a chain (<= chain_budget)?"""
+        """Is the budget of a batch of num_reqs requests a chain (<= chain_budget), or
+        is a chain-arm draft running?"""
+        if self._chain_mode:
+            return True
         at = self._chain_at
         return at is not None and at[min(num_reqs, len(at) - 1)]
 
@@ -121,6 +130,34 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._top_vals[:m, 0].zero_()
         self._top_vals[:m, 1:].fill_(float("-inf"))
         self._lse[:m].zero_()
+
+    # ---------------------------------------------------------------- chain-arm graphs
+    def tree_sizes(self) -> list[int]:
+        """Batch sizes whose budget is a tree (where the scheduler may play either)."""
+        return [n for n, k in enumerate(self._budget_at) if n and k > self.chain_budget]
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        super().init_cudagraph_manager(cudagraph_mode)
+        self.chain_graphs = None
+        if self.chain_budget and v2_chain_graphs.enabled():
+            self.chain_graphs = v2_chain_graphs.make(self, self.tree_sizes())
+
+    def capture(self) -> None:
+        super().capture()
+        if self.chain_graphs is not None:
+            with self._chain_arm():
+                super().capture()
+
+    @contextmanager
+    def _chain_arm(self):
+        """Draft as the chain arm: DFlash's sampling, 1 + C context rows, the chain
+        arm's draft graphs."""
+        main = self.query_cudagraph_manager
+        self.query_cudagraph_manager, self._chain_mode = self.chain_graphs, True
+        try:
+            yield
+        finally:
+            self.query_cudagraph_manager, self._chain_mode = main, False
 
     @torch.inference_mode()
     def propose(self, *args, **kwargs):
@@ -133,8 +170,13 @@ class DDTreeSpeculator(DFlashSpeculator):
         batch, dummy = a["input_batch"], a["dummy_run"]
         if not dummy:
             self.runtime.commit(batch, a["last_hidden_states"], a["aux_hidden_states"])
-        super().propose(*args, **kwargs)
         want = a.get("num_speculative_tokens")
+        if self.chain_graphs is not None and not dummy and want is not None and \
+                0 < want <= self.chain_budget and not self.drafts_chain(batch.num_reqs):
+            with self._chain_arm():  # the chain arm at a tree batch size
+                super().propose(*args, **kwargs)
+        else:
+            super().propose(*args, **kwargs)
         if want == 0:  # no drafts wanted (0.33: skip_drafts)
             return torch.full((batch.num_reqs, self.ddtree_budget), -1, dtype=torch.int64,
                               device=self.device)
