@@ -2,22 +2,17 @@
 payload classes in a stand-in engine (a broken helper costs a whole device call:
 run 9's e2e cells died in reset_arms after an ArmExpect change)."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from .conftest import load_bench
 
-COMMON = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "common.py"
+torch = pytest.importorskip("torch")
 
 
 def _common():
-    spec = importlib.util.spec_from_file_location("bench_common", COMMON)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("common")
 
 
 def test_reset_arms_renews_both_halves():
@@ -44,11 +39,7 @@ def test_reset_arms_renews_both_halves():
 
 
 def _step_bench():
-    path = COMMON.parent / "step_bench.py"
-    spec = importlib.util.spec_from_file_location("bench_step_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("step_bench")
 
 
 def test_the_synthetic_drafter_is_the_same_for_every_config():

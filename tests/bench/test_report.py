@@ -1,17 +1,11 @@
 """bench/gpu/report.py's tables from repeated rounds (the v2repeat stage): per config the
 rounds, each round's ratio to the same round's chain, and the medians."""
 
-import importlib.util
-from pathlib import Path
-
-REPORT = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "report.py"
+from .conftest import load_bench
 
 
 def _report():
-    spec = importlib.util.spec_from_file_location("bench_report", REPORT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("report")
 
 
 def _round(chain_ms, tree_ms, chain_tps, tree_tps):
