@@ -361,6 +361,7 @@ def _tree_step(seed: int, n: int, L: int, V: int, B: int, probs):
     target = torch.cat([pi[root].unsqueeze(1), pi[tree.tokens.clamp(min=0)]], 1)
     walk = walk_greedy(target, tree)
     hits = (idx[..., 0] == true).long().cumprod(1)
+    _tree_step.last = (tree, target)  # for the subtree test
     return vals, idx, lse, walk, hits
 
 
@@ -479,3 +480,42 @@ def test_both_halves_pick_the_arm_that_is_faster_on_this_text(probs, label, monk
     why = (label, got, rate, tail.count("tree") / len(tail), lookup.summary())
     assert got >= 0.95 * max(rate.values()), why
     assert got >= 0.99 * rate["chain"], why
+
+
+def test_a_tree_step_prices_every_smaller_tree_exactly(monkeypatch):
+    """The best tree of b nodes is the first b nodes in pop order: the count read off
+    the B-node step (where its path leaves the subtree) equals the real walk over the
+    tree cut to b nodes, row by row; and it is published with the arms."""
+    import dataclasses
+
+    import torch
+
+    from ddtree_patcher.core import walk_greedy
+
+    v2_arms = payload_module("v2_arms")
+    monkeypatch.setattr(v2_arms, "PUBLISH", 1)
+    arms.EXPECTED.clear()
+    arms.SUBTREES.clear()
+    n, L, V, B, C = 300, 6, 60, 16, 3
+    vals, idx, lse, walk, _ = _tree_step(5, n, L, V, B, [0.5, 0.2, 0.1, 0.05])
+    tree, target = _tree_step.last
+    subs = (8, 4, 2)  # 2 <= C: not a subtree arm (dropped)
+    ex = v2_arms.ArmExpect([n], C, L, max_reqs=n, device="cpu", subtrees=subs)
+    assert ex.subtrees == [4, 8]
+    slots = torch.arange(n)
+    ex.draft(vals, idx, lse, slots)
+    ex.verified(n, slots, walk.output_tokens, walk.num_accepted, torch.ones(n, dtype=bool),
+                walk.accepted_rows)
+    for col, b in zip((4, 5), ex.subtrees):
+        cut = dataclasses.replace(tree, num_nodes=torch.full_like(tree.num_nodes, b))
+        want = walk_greedy(target, cut).num_accepted
+        assert float(ex.host[n, col]) == float(want.sum())
+        assert (want <= walk.num_accepted).all() and (want < walk.num_accepted).any()
+    ex.verified(n, slots, walk.output_tokens, walk.num_accepted, torch.ones(n, dtype=bool),
+                walk.accepted_rows)  # publishes the first copy
+    got = arms.SUBTREES[n]
+    assert set(got) == {4, 8} and got[4] <= got[8] <= arms.EXPECTED[n][0]
+    lookup = arms.ArmLookup([0] + [B] * n, C)  # a new engine forgets them
+    assert arms.SUBTREES == {}
+    arms.SUBTREES[n] = {4: 1.5}
+    assert lookup.summary()[n]["subtrees"] == {4: 1.5}

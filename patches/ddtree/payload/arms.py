@@ -66,11 +66,20 @@ def _knobs() -> tuple[int, int]:
 EXPECTED: dict[int, tuple[float, float]] = {}
 
 
-def publish(rows) -> None:
-    """rows[n] = [tree accepted sum, rows, chain accepted sum, rows] (v2_arms.py)."""
-    for n, (t, tn, c, cn) in enumerate(rows):
+# batch size -> {b: tokens per request-step of the best tree of b nodes}, priced on the
+# same tree steps (v2_arms.py; reported in summary(), not chosen)
+SUBTREES: dict[int, dict[int, float]] = {}
+
+
+def publish(rows, subtrees=()) -> None:
+    """rows[n] = [tree accepted sum, rows, chain accepted sum, rows, then one accepted
+    sum per subtree size in ``subtrees``] (v2_arms.py)."""
+    for n, row in enumerate(rows):
+        t, tn, c, cn = row[:4]
         if tn > 0 and cn > 0:
             EXPECTED[n] = (1.0 + t / tn, 1.0 + c / cn)
+            if subtrees:
+                SUBTREES[n] = {b: 1.0 + s / tn for b, s in zip(subtrees, row[4:])}
 
 
 class Arm:
@@ -122,6 +131,7 @@ class ArmLookup(list):
         self._logged = clock()
         self._width: dict[int, int] = {}  # batch size -> drafts of its last decode step
         EXPECTED.clear()  # a new engine: nothing of an earlier one's drafter
+        SUBTREES.clear()
 
     def __getitem__(self, n):
         if type(n) is int and n in self.arms:
@@ -209,7 +219,8 @@ class ArmLookup(list):
 
     def summary(self) -> dict:
         """Per tree batch size: each arm's measured tokens/s and ms per step, steps
-        seen, times chosen, and (when published) the expected tokens per step."""
+        seen, times chosen, and (when published) the expected tokens per step; under
+        "subtrees", those of smaller trees priced on the same steps."""
         out = {}
         for n, ks in self.arms.items():
             exp = EXPECTED.get(n, (None, None))
@@ -219,6 +230,8 @@ class ArmLookup(list):
                 "expected": None if e is None else round(e, 3),
                 "steps": self.stats[(n, k)].steps, "chosen": self.picked[(n, k)]}
                 for k, e in zip(ks, exp)}
+            if n in SUBTREES:
+                out[n]["subtrees"] = {b: round(v, 3) for b, v in SUBTREES[n].items()}
         return out
 
 

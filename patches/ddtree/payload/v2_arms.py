@@ -14,6 +14,11 @@ own uniform, which a chain walk would have drawn too.  Each pair comes from one 
 so the ratio of the two arms is known after a few tree steps; the chain's own steps
 add nothing.
 
+The same step also prices every smaller tree exactly: the best tree of b nodes is the
+first b nodes in pop order (a subtree, parents first), and its walk would have stopped
+where the accepted path leaves it.  For ``subtrees`` (b > C) those counts are published
+too (``arms.SUBTREES``, reported only: the choice plays B or C).
+
 Sums per batch size stay on the device (no host sync); every PUBLISH measured steps
 they are copied to pinned memory without a sync and published, one period later, to
 ``arms.EXPECTED`` (tokens per request-step, bonus included), which the scheduler's
@@ -36,11 +41,15 @@ KEEP = 0.85
 
 
 class ArmExpect:
-    def __init__(self, tree_sizes, chain: int, depth: int, max_reqs: int, device):
+    def __init__(self, tree_sizes, chain: int, depth: int, max_reqs: int, device,
+                 subtrees=()):
         self.tree_sizes = set(tree_sizes)  # batch sizes that have arms
         self.chain = min(chain, depth)  # C drafts of the chain arm
-        # per batch size: tree accepted sum, rows, chain accepted sum, rows
-        self.sums = torch.zeros(max_reqs + 1, 4, dtype=torch.float32, device=device)
+        self.subtrees = sorted({b for b in subtrees if b > self.chain})
+        # per batch size: tree accepted sum, rows, chain accepted sum, rows, then the
+        # accepted sum of each subtree
+        cols = 4 + len(self.subtrees)
+        self.sums = torch.zeros(max_reqs + 1, cols, dtype=torch.float32, device=device)
         # the top-1 chain of each request-state slot's last tree draft
         self.top1 = torch.zeros(max_reqs, max(self.chain, 1), dtype=torch.int64,
                                 device=device)
@@ -49,7 +58,7 @@ class ArmExpect:
                                 device=device)
         self._pos = torch.arange(max(self.chain, 1), device=device)
         cuda = torch.device(device).type == "cuda"
-        self.host = torch.zeros(max_reqs + 1, 4, dtype=torch.float32, pin_memory=cuda)
+        self.host = torch.zeros(max_reqs + 1, cols, dtype=torch.float32, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
         self.calls = 0
         self.pending = False
@@ -70,10 +79,13 @@ class ArmExpect:
             lp = (vals[:, :c, 0] - lse[:, :c]).float()
             self.logp[slots] = torch.where(torch.isfinite(lp), lp.clamp(max=0.0), -1e4)
 
-    def verified(self, n: int, slots, output_tokens, num_accepted, valid) -> None:
+    def verified(self, n: int, slots, output_tokens, num_accepted, valid,
+                 accepted_rows=None) -> None:
         """A verified tree step of n requests (slots; the walk's output [n, >= 1]: the
-        accepted drafts then the bonus, -1 after; valid: rows that had a tree): the
-        tree's accepted drafts and the chain's on the same step join the sums of n."""
+        accepted drafts then the bonus, -1 after; valid: rows that had a tree;
+        accepted_rows [n, L + 1]: verify rows of the path, root first, -1 after): the
+        tree's accepted drafts, the chain's and each subtree's on the same step join
+        the sums of n."""
         if n not in self.tree_sizes or not self.chain:
             return
         out = output_tokens[:n]
@@ -95,8 +107,13 @@ class ArmExpect:
         chain_acc = chain_acc + torch.where(cut, rest, 0.0)
         keep = valid[:n].to(torch.float32)
         rows = keep.sum()
-        self.sums[n].add_(torch.stack([(acc.float() * keep).sum(), rows,
-                                       (chain_acc * keep).sum(), rows]))
+        cols = [(acc.float() * keep).sum(), rows, (chain_acc * keep).sum(), rows]
+        if self.subtrees:
+            path = accepted_rows[:n, 1:]  # verify row r = node r - 1 (pop order)
+            for b in self.subtrees:
+                inside = ((path > 0) & (path <= b)).long().cumprod(1).sum(1)
+                cols.append((inside.float() * keep).sum())
+        self.sums[n].add_(torch.stack(cols))
         self._publish()
 
     # ---------------------------------------------------------------- to the scheduler
@@ -104,7 +121,7 @@ class ArmExpect:
         self.calls += 1
         if self.pending and (self.event is None or self.event.query()):
             self.pending = False
-            arms.publish(self.host.tolist())
+            arms.publish(self.host.tolist(), self.subtrees)
         if self.calls % PUBLISH == 0 and not self.pending:
             self.host.copy_(self.sums, non_blocking=self.event is not None)
             self.sums.mul_(KEEP)

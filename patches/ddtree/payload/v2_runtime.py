@@ -246,7 +246,8 @@ class V2DDTree:
                        start, rows, neff, "heads_packed")
         if expect is not None:  # the tree's accepted drafts and the chain's, this step
             expect.verified(n, input_batch.idx_mapping[:n], walk.output_tokens,
-                            walk.num_accepted, step.pack[n: 2 * n] >= 0)
+                            walk.num_accepted, step.pack[n: 2 * n] >= 0,
+                            walk.accepted_rows)
         if self.stats.path is not None:
             trees = (step.pack[n: 2 * n] >= 0).nonzero().flatten().tolist()
             self.stats.observe(step.tree, walk.accepted_rows, walk.num_accepted, trees)

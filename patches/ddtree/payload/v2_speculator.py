@@ -77,8 +77,9 @@ class DDTreeSpeculator(DFlashSpeculator):
                 and sizes:
             from .v2_arms import ArmExpect
 
+            b = spec.ddtree_budget  # smaller trees priced too (reported, not played)
             self.expect = ArmExpect(sizes, self.chain_budget, depth, self.max_num_reqs,
-                                    device)
+                                    device, subtrees=(b // 2, b // 4))
         self.synthetic = None
         if spec.ddtree_synthetic:
             from .synthetic import SyntheticDrafter
