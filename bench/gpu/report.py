@@ -123,6 +123,32 @@ def e2e_table(sb) -> str:
     return "\n".join(out)
 
 
+def arms_table(runs: list) -> str:
+    """The tree-vs-chain choice per e2e cell and batch size (step_bench's ``arms``):
+    steps played per arm, ms per step, tokens per step of each arm measured on the same
+    tree steps, and those of the smaller trees priced there (``subtrees``)."""
+    out = ["| round | config | cell | N | tree / chain steps | ms tree / chain | "
+           "tokens tree / chain | smaller trees (b: tokens) |",
+           "| ---: | --- | --- | ---: | --- | --- | --- | --- |"]
+    for i, run in enumerate(runs, 1):
+        for name, v in run.items():
+            for cell, e in sorted(v.get("e2e", {}).items()):
+                n_cell = cell.rsplit("_N", 1)[1]
+                for n, a in sorted((e.get("arms") or {}).items()):
+                    if n != n_cell and int(n) > int(n_cell):
+                        continue  # batch sizes the cell never ran
+                    tree = next((x for k, x in a.items() if k.startswith("tree")), None)
+                    chain = next((x for k, x in a.items() if k.startswith("chain")), None)
+                    if not tree or not chain or not (tree["steps"] or chain["steps"]):
+                        continue
+                    subs = ", ".join(f"{b}: {t}" for b, t in (a.get("subtrees") or {}).items())
+                    out.append(f"| {i} | {name} | {cell} | {n} | {tree['steps']} / "
+                               f"{chain['steps']} | {fmt(tree['ms'])} / {fmt(chain['ms'])} | "
+                               f"{fmt(tree['expected'])} / {fmt(chain['expected'])} | "
+                               f"{subs or '-'} |")
+    return "\n".join(out)
+
+
 def kernel_table(kb) -> str:
     out = ["| N | B | tree kernel us | FA3 causal us | extra per step, 36 layers (ms) |",
            "| ---: | ---: | ---: | ---: | ---: |"]
@@ -281,6 +307,8 @@ def main():
         print(repeat_table(rounds))
         print("\n### V2, repeated: end to end\n")
         print(e2e_repeat_table(rounds))
+        print("\n### V2, repeated: the tree-vs-chain choice per cell\n")
+        print(arms_table(rounds))
     if kb:
         print("\n### Tree kernel vs FA3\n")
         print(kernel_table(kb))

@@ -30,3 +30,18 @@ def test_repeat_tables_take_ratios_per_round_and_medians():
     v1 = [{"chain15": {"steps": {"1": {"step_ms": 2.0}}},
            "ddtree64": {"steps": {"1": {"step_ms": 3.0}}}}]
     assert "3.00 (1.50)" in r.repeat_table(v1)
+
+
+def test_the_choice_table_lists_both_arms_and_the_smaller_trees():
+    r = _report()
+    arm = {"tree 64": {"tok_per_s": 500.0, "ms": 8.4, "expected": 3.4, "steps": 56,
+                       "chosen": 16},
+           "chain 15": {"tok_per_s": 520.0, "ms": 7.3, "expected": 2.3, "steps": 7,
+                        "chosen": 2},
+           "subtrees": {"32": 3.2, "16": 2.9}}
+    idle = {"tree 64": dict(arm["tree 64"], steps=0), "chain 15": dict(arm["chain 15"],
+                                                                         steps=0)}
+    run = {"ddtree64autoasync": {"e2e": {"p60_N1": {"arms": {"1": arm, "2": idle}}}}}
+    rows = [x for x in r.arms_table([run]).splitlines() if x.startswith("| 1 |")]
+    assert rows == ["| 1 | ddtree64autoasync | p60_N1 | 1 | 56 / 7 | 8.40 / 7.30 | "
+                    "3.40 / 2.30 | 32: 3.2, 16: 2.9 |"]
