@@ -26,7 +26,8 @@ vocab_topk(x [..., V], k, with_lse=True, impl='auto') -> (values, ids, lse)
     the float32 logsumexp; impl='torch' is the reference.
 build_chain_from_topk(vals, idx, max_budget, lse) -> DDTree
     The drafter's top-1 chain (DFlash's argmax drafts) as a chain-shaped DDTree;
-    top1(vals, idx) -> (tokens [N, L], columns): just its tokens (the V2 chain step).
+    top1(vals, idx) -> (tokens [N, L], columns): just its tokens (for unsorted top-K;
+    vocab_topk's output is in key order, so there column 0 is the top-1).
 graphed.GraphedBuild(max_budget)(draft) -> Build(tree, vals, idx, lse, chain_scores)
     The per-step build replayed from a CUDA graph per batch bucket.
 budget.BudgetController: the cost-aware budget (per step: a tree size or the chain).

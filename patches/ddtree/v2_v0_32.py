@@ -17,8 +17,8 @@ payload/config.py: ddtree_v2_enabled):
   tree-attention hooks;
 * ``Scheduler``: with ddtree_budget_control='auto' on V2, the lookup of drafts per batch
   size becomes an ``ArmLookup`` (arms.py: the tree or the chain, by tokens/s from
-  measured step times and the drafter's expected tokens) and every step output reaches
-  its ``observe``.
+  measured step times and both arms' tokens measured on the same tree steps) and every
+  step output reaches its ``observe``.
 """
 
 from __future__ import annotations

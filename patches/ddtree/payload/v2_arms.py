@@ -57,6 +57,7 @@ class ArmExpect:
         self.logp = torch.zeros(max_reqs, max(self.chain, 1), dtype=torch.float32,
                                 device=device)
         self._pos = torch.arange(max(self.chain, 1), device=device)
+        self._subs = torch.tensor(self.subtrees, dtype=torch.int64, device=device)
         cuda = torch.device(device).type == "cuda"
         self.host = torch.zeros(max_reqs + 1, cols, dtype=torch.float32, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
@@ -105,15 +106,14 @@ class ArmExpect:
         later = self._pos.unsqueeze(0) >= start.unsqueeze(1)
         rest = (torch.exp(cum - base) * later).sum(1)
         chain_acc = chain_acc + torch.where(cut, rest, 0.0)
-        keep = valid[:n].to(torch.float32)
-        rows = keep.sum()
-        cols = [(acc.float() * keep).sum(), rows, (chain_acc * keep).sum(), rows]
-        if self.subtrees:
-            path = accepted_rows[:n, 1:]  # verify row r = node r - 1 (pop order)
-            for b in self.subtrees:
-                inside = ((path > 0) & (path <= b)).long().cumprod(1).sum(1)
-                cols.append((inside.float() * keep).sum())
-        self.sums[n].add_(torch.stack(cols))
+        one = torch.ones_like(chain_acc)
+        per_row = [acc.float(), one, chain_acc, one]  # the columns of self.sums
+        if self.subtrees:  # all sizes at once: [S, n] accepted inside each subtree
+            path = accepted_rows[:n, 1:].unsqueeze(0)  # verify row r = node r - 1
+            inside = (path > 0) & (path <= self._subs.view(-1, 1, 1))
+            per_row.extend(inside.long().cumprod(2).sum(2).float().unbind(0))
+        # rows without a tree add nothing: one product sums every column
+        self.sums[n].add_(valid[:n].to(torch.float32) @ torch.stack(per_row, 1))
         self._publish()
 
     # ---------------------------------------------------------------- to the scheduler
