@@ -21,6 +21,20 @@ def enabled() -> bool:
     return os.environ.get(ENV, "0").strip() == "1"
 
 
+def warn_experimental(mgr) -> None:
+    """One log line: the option is on, and not yet proven on a GPU (drafts only: the
+    target still verifies every token, so the output stays the target's)."""
+    try:
+        from vllm.logger import init_logger
+
+        init_logger(__name__).warning(
+            "DDTree: %s=1: the chain arm's own draft graphs are experimental (not yet run "
+            "on a GPU); %s", ENV, "captured for the tree batch sizes" if mgr is not None
+            else "none to capture (no FULL draft graphs at the tree batch sizes)")
+    except Exception:  # noqa: BLE001  (logging only)
+        pass
+
+
 def make(spec, sizes):
     """A second DFlashCudaGraphManager for the chain arm at the batch sizes ``sizes``
     (what spec's own manager would replay for them), or None (no FULL graphs, or none
