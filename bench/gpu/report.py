@@ -126,10 +126,11 @@ def e2e_table(sb) -> str:
 def arms_table(runs: list) -> str:
     """The tree-vs-chain choice per e2e cell and batch size (step_bench's ``arms``):
     steps played per arm, ms per step, tokens per step of each arm measured on the same
-    tree steps, and those of the smaller trees priced there (``subtrees``)."""
+    tree steps, the tree's edge in standard errors (``edge``; the tree leads above 1),
+    and the tokens of the smaller trees priced there (``subtrees``)."""
     out = ["| round | config | cell | N | tree / chain steps | ms tree / chain | "
-           "tokens tree / chain | smaller trees (b: tokens) |",
-           "| ---: | --- | --- | ---: | --- | --- | --- | --- |"]
+           "tokens tree / chain | edge | smaller trees (b: tokens) |",
+           "| ---: | --- | --- | ---: | --- | --- | --- | ---: | --- |"]
     for i, run in enumerate(runs, 1):
         for name, v in run.items():
             for cell, e in sorted(v.get("e2e", {}).items()):
@@ -145,7 +146,7 @@ def arms_table(runs: list) -> str:
                     out.append(f"| {i} | {name} | {cell} | {n} | {tree['steps']} / "
                                f"{chain['steps']} | {fmt(tree['ms'])} / {fmt(chain['ms'])} | "
                                f"{fmt(tree['expected'])} / {fmt(chain['expected'])} | "
-                               f"{subs or '-'} |")
+                               f"{fmt(a.get('edge'))} | {subs or '-'} |")
     return "\n".join(out)
 
 

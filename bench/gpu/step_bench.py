@@ -26,13 +26,13 @@ with random safetensors written here (draft_load_config: safetensors).
     and every output is checked against the pi-chain (lossless).
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
-    CONFIG: nospec | chain15 | chain15async | ddtree<B>[pb|chain|auto][cg][async]
+    CONFIG: nospec | chain15 | chain15async | ddtree<B>[pb|chain|auto][cg|nocg][async]
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
     decoding; chain: budget B for 1-2 requests, a
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
     pinned, DDTree's V2 default: that schedule with chains of min(L, B - 1), and at 1-2
-    requests the tree or the chain by tokens/s, arms.py; cg: the chain arm's own draft
-    graphs, VLLM_DDTREE_CHAIN_GRAPHS=1)
+    requests the tree or the chain by tokens/s, arms.py; the chain arm's own draft graphs
+    follow the default (on) unless nocg (VLLM_DDTREE_CHAIN_GRAPHS=0) or cg (=1))
 
 With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
 default; DDTree follows it there): the same step walls, spans hooked on V2's own
@@ -79,8 +79,10 @@ def parse(cfg: str):
         rest = cfg[6:]
         asy = rest.endswith("async")
         rest = rest[:-5] if asy else rest
-        cg = rest.endswith("cg")  # the chain arm's own draft graphs (v2_chain_graphs.py)
-        rest = rest[:-2] if cg else rest
+        # the chain arm's own draft graphs (v2_chain_graphs.py): on by default; nocg
+        # turns them off, cg pins them on
+        cg = "0" if rest.endswith("nocg") else "1" if rest.endswith("cg") else None
+        rest = rest[:-4] if cg == "0" else rest[:-2] if cg else rest
         pb = rest.endswith("pb")  # budget per batch size: B, B/2, B/4 for 1, 2-3, 4+
         chain = rest.endswith("chain")  # B for 1-2 requests, a chain of L from 3 on
         auto = rest.endswith("auto")  # DDTree's V2 default: that, tree vs chain at 1-2
@@ -146,7 +148,10 @@ def engine(spec: dict, **llm_kw):
             # pinned either way: on V2 DDTree keeps vLLM's async default unless told not to
             asy = bool(spec.get("async_sched"))
             os.environ["VLLM_DDTREE_ASYNC"] = "1" if asy else "0"
-            os.environ["VLLM_DDTREE_CHAIN_GRAPHS"] = "1" if spec.get("cg") else "0"
+            if spec.get("cg") is None:
+                os.environ.pop("VLLM_DDTREE_CHAIN_GRAPHS", None)  # the default
+            else:
+                os.environ["VLLM_DDTREE_CHAIN_GRAPHS"] = spec["cg"]
             kw["async_scheduling"] = asy
         else:
             sc["method"] = "dflash"

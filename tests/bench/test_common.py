@@ -64,5 +64,7 @@ def test_config_names_of_the_step_bench():
     sb = _step_bench()
     cg = sb.parse("ddtree64autocgasync")
     assert cg["cg"] and cg["auto"] and cg["async_sched"] and cg["k"] == 64 and cg["chain"] == 15
-    assert not sb.parse("ddtree64autoasync")["cg"]
+    assert cg["cg"] == "1" and sb.parse("ddtree64autoasync")["cg"] is None  # the default
+    off = sb.parse("ddtree64autonocgasync")
+    assert off["cg"] == "0" and off["auto"] and off["k"] == 64
     assert sb.parse("ddtree64chainasync")["per_batch"] == [[1, 2, 64], [3, 1024, 15]]

@@ -612,10 +612,16 @@ def _check_chain_arm_graphs(spec) -> None:
     spec.query_cudagraph_manager = DFlashCudaGraphManager(
         spec.vllm_config, spec.device, CUDAGraphMode.NONE, decode_query_len=q)
     assert vcg.make(spec, [1, 2]) is None  # no graphs, no chain-arm graphs
+    was = os.environ.pop(vcg.ENV, None)
+    assert vcg.enabled()  # on by default
     os.environ[vcg.ENV] = "0"
     assert not vcg.enabled()
     os.environ[vcg.ENV] = "1"
     assert vcg.enabled()
+    if was is None:
+        del os.environ[vcg.ENV]
+    else:
+        os.environ[vcg.ENV] = was
     spec.query_cudagraph_manager = None
 
 

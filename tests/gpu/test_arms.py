@@ -5,6 +5,7 @@ scheduler does), takes the arm's time and emits the arm's tokens.  Deterministic
 
 from __future__ import annotations
 
+import math
 import random
 from types import SimpleNamespace
 
@@ -200,7 +201,9 @@ def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev):
     out, acc, slots = out[order].to(dev), acc[order].to(dev), slots[order.to(dev)]
     valid = torch.ones(3, dtype=torch.bool, device=dev)
     ex.verified(3, slots, out, acc, valid)
-    assert ex.sums[3].tolist() == [4 + 4 + 2, 3, 4 + 2 + 2, 3]
+    # tree 4, 4, 2 and chain 4, 2, 2 per row: sums, then tree^2, chain^2, tree x chain,
+    # squared weights
+    assert ex.sums[3].tolist() == [10, 3, 8, 3, 16 + 16 + 4, 16 + 4 + 4, 16 + 8 + 4, 3]
     ex.verified(1, slots[:1], out, acc, valid)  # no arms at 1 request
     assert float(ex.sums[1].abs().sum()) == 0
 
@@ -213,6 +216,9 @@ def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev):
         torch.cuda.synchronize()
     ex.verified(2, slots[:2], out[:2], acc[:2], valid)
     assert arms.EXPECTED[3] == pytest.approx((1 + 10 / 3, 1 + 8 / 3))
+    mt, mc = 10 / 3, 8 / 3  # the paired spread: population (co)variances of the rows
+    assert arms.SPREAD[3] == pytest.approx((36 / 3 - mt * mt, 24 / 3 - mc * mc,
+                                            28 / 3 - mt * mc, 3))
 
     # the bonus is the chain's next token but the tree had no such node: known up to
     # the bonus, then the drafter's expected rest (position 3: p = 0.5); a row without
@@ -223,7 +229,7 @@ def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev):
     out2, acc2 = _walk_out([[10, 11, 12], [99, 1]], depth + 1)
     ex.verified(2, torch.tensor([3, 1], device=dev), out2.to(dev), acc2.to(dev),
                 torch.tensor([True, False], device=dev))
-    assert ex.sums[2].tolist() == [2, 1, 3.5, 1]
+    assert ex.sums[2].tolist()[:4] == [2, 1, 3.5, 1]
     ex.reset()  # what the benchmark calls between cells (bench/gpu/common.py)
     assert float(ex.sums.abs().sum()) == 0 and not ex.pending and ex.calls == 0
 
@@ -239,10 +245,10 @@ def test_a_chain_that_is_not_in_the_tree_is_still_read_off_the_output():
              torch.zeros(1, 3), torch.tensor([0]))
     out, acc = _walk_out([[4]], 4)
     ex.verified(1, torch.tensor([0]), out, acc, torch.tensor([True]))
-    assert ex.sums[1].tolist() == [0, 1, 0, 1]
+    assert ex.sums[1].tolist()[:4] == [0, 1, 0, 1]
     out, acc = _walk_out([[5, 7, 9, 2]], 4)  # the tree took the whole chain
     ex.verified(1, torch.tensor([0]), out, acc, torch.tensor([True]))
-    assert ex.sums[1].tolist() == [3, 2, 3, 2]
+    assert ex.sums[1].tolist()[:4] == [3, 2, 3, 2]
 
 
 def test_the_expected_tokens_decide_when_published(monkeypatch):
@@ -506,7 +512,7 @@ def test_a_tree_step_prices_every_smaller_tree_exactly(monkeypatch):
     ex.draft(vals, idx, lse, slots)
     ex.verified(n, slots, walk.output_tokens, walk.num_accepted, torch.ones(n, dtype=bool),
                 walk.accepted_rows)
-    for col, b in zip((4, 5), ex.subtrees):
+    for col, b in zip((8, 9), ex.subtrees):
         cut = dataclasses.replace(tree, num_nodes=torch.full_like(tree.num_nodes, b))
         want = walk_greedy(target, cut).num_accepted
         assert float(ex.host[n, col]) == float(want.sum())
@@ -519,3 +525,34 @@ def test_a_tree_step_prices_every_smaller_tree_exactly(monkeypatch):
     assert arms.SUBTREES == {}
     arms.SUBTREES[n] = {4: 1.5}
     assert lookup.summary()[n]["subtrees"] == {4: 1.5}
+
+
+def test_a_close_call_goes_to_the_chain(monkeypatch):
+    """With both counts published, the tree leads only where its edge over the chain
+    clears Z standard errors of the paired counts (run 10, p80 at two requests: an
+    edge of 7 % within its noise, played, ran 0.89-0.91x the chain); a tree that may
+    lead (0 < edge <= Z) is looked at again soon; no spread: the sign decides."""
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+    lookup = arms.ArmLookup([0, TREE, TREE], CHAIN)
+    for n in (1, 2):
+        for k, dt in ((TREE, 0.010), (CHAIN, 0.007)):
+            for _ in range(arms.WELL):
+                lookup.stats[(n, k)].add(5, dt)
+    # per request-step: tree 6.3 / 10 ms vs chain 4.2 / 7 ms = 0.63 vs 0.60 tokens/ms
+    arms.EXPECTED[1] = arms.EXPECTED[2] = (6.3, 4.2)
+    var = (9.0, 8.0, 7.5)  # sd 3 and 2.8, correlation 0.88: sd of the edge 0.014/ms
+    arms.SPREAD[1] = var + (20.0,)  # 20 rows: se 0.0031/ms, edge 0.03 / se < 1
+    arms.SPREAD[2] = var + (400.0,)  # 400 rows: se 0.0007/ms, a clear lead
+    e1, e2 = lookup.edge(1), lookup.edge(2)
+    assert 0 < e1 <= arms.Z < 2 * arms.Z < e2
+    assert e2 == pytest.approx(e1 * (400 / 20) ** 0.5)
+    picks = {n: [lookup[n] for _ in range(64)] for n in (1, 2)}
+    assert picks[2] == [TREE] * 64  # a clear lead: explored every 4 x EXPLORE choices
+    # the chain leads at 1, and the tree is tried every EXPLORE // 4 choices
+    assert picks[1][0] == CHAIN and picks[1].count(CHAIN) == 3 * picks[1].count(TREE)
+    assert lookup.summary()[1]["edge"] == pytest.approx(e1, abs=0.01)
+    arms.SPREAD[1] = (0.0, 0.0, 0.0, 50.0)  # a random drafter: 1 token a step each
+    arms.EXPECTED[1] = (1.0, 1.0)
+    assert lookup.edge(1) == -math.inf and lookup.summary()[1]["edge"] == -99.0
+    arms.ArmLookup([0, TREE], CHAIN)  # a new engine forgets the spread too
+    assert arms.SPREAD == {}

@@ -18,11 +18,16 @@ in-process executor: one GPU) it publishes both arms' tokens measured on the sam
 steps (v2_arms.py: the chain's accepted length is read off the tree step's output;
 EXPECTED); elsewhere (TP > 1) the measured tokens stand in.  The verify width is fixed a step
 ahead (async scheduling), so the choice is per batch size, not per step as on V1
-(core/budget.py).  The first steps of each arm calibrate; after that, a choice holds
-WINDOW steps, and every EXPLORE-th choice (4 x EXPLORE once both arms have WELL steps
-and one is ahead by more than CLEAR) plays the other arm: about 6 % of the steps when
-the two are close, 1.5 % when they are not.  A step time is the median of an arm's
-last RECENT steps, the first step after a switch left out (H200, run 8: at one
+(core/budget.py).  Where both counts are published, the tree leads only while its
+edge over the chain exceeds Z standard errors of the paired estimate (SPREAD): the
+chain is the safe side of a close call (H200, run 10: p80 at two requests, the tree
+picked on an edge within its noise ran 0.89-0.91x the chain).  Else (measured tokens)
+the other arm must beat the leader by MARGIN.  The first steps of each arm
+calibrate; after that, a choice holds WINDOW steps, and every EXPLORE-th choice (4 x
+EXPLORE once both arms have WELL steps and one is clearly ahead: by 2 Z standard
+errors, or by CLEAR on measured tokens) plays the other arm: about 6 % of the steps
+when the two are close, 1.5 % when they are not.  A step time is the median of an
+arm's last RECENT steps, the first step after a switch left out (H200, run 8: at one
 request the tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of
 another run 7.9 ms; the cause was not found).  VLLM_DDTREE_ARMS="window,explore"
 overrides WINDOW and EXPLORE (tests); a bad value is refused at engine configuration.
@@ -30,6 +35,7 @@ overrides WINDOW and EXPLORE (tests); a bad value is refused at engine configura
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -42,7 +48,8 @@ MIN_STEPS = 4
 WELL = 12  # steps of the less played arm before exploring less than every EXPLORE-th
 RECENT = 16  # step times kept per arm
 DECAY = 0.97  # weight of older steps, per step of the same arm
-MARGIN = 1.02  # the other arm must beat the leader by 2 % to take the lead
+MARGIN = 1.02  # measured tokens: the other arm must beat the leader by 2 % to lead
+Z = 1.0  # published counts: the tree leads only where its edge exceeds Z std errors
 LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
 
 
@@ -66,20 +73,30 @@ def _knobs() -> tuple[int, int]:
 EXPECTED: dict[int, tuple[float, float]] = {}
 
 
+# batch size -> (var of the tree's count, var of the chain's, their covariance, rows):
+# the spread of the paired counts per request-step, for the choice's error bar (rows:
+# the effective number of the decayed rows, (sum w)^2 / sum w^2)
+SPREAD: dict[int, tuple[float, float, float, float]] = {}
+
+
 # batch size -> {b: tokens per request-step of the best tree of b nodes}, priced on the
 # same tree steps (v2_arms.py; reported in summary(), not chosen)
 SUBTREES: dict[int, dict[int, float]] = {}
 
 
 def publish(rows, subtrees=()) -> None:
-    """rows[n] = [tree accepted sum, rows, chain accepted sum, rows, then one accepted
-    sum per subtree size in ``subtrees``] (v2_arms.py)."""
+    """rows[n] = [tree accepted sum, rows, chain accepted sum, rows, sums of tree^2,
+    chain^2, tree x chain and of the rows' squared weights, then one accepted sum per
+    subtree size in ``subtrees``] (v2_arms.py; both counts come from the same rows)."""
     for n, row in enumerate(rows):
-        t, tn, c, cn = row[:4]
+        t, tn, c, cn, t2, c2, tc, w2 = row[:8]
         if tn > 0 and cn > 0:
             EXPECTED[n] = (1.0 + t / tn, 1.0 + c / cn)
+            mt, mc = t / tn, c / tn
+            SPREAD[n] = (max(t2 / tn - mt * mt, 0.0), max(c2 / tn - mc * mc, 0.0),
+                         tc / tn - mt * mc, tn * tn / w2 if w2 > 0 else tn)
             if subtrees:
-                SUBTREES[n] = {b: 1.0 + s / tn for b, s in zip(subtrees, row[4:])}
+                SUBTREES[n] = {b: 1.0 + s / tn for b, s in zip(subtrees, row[8:])}
 
 
 class Arm:
@@ -131,6 +148,7 @@ class ArmLookup(list):
         self._logged = clock()
         self._width: dict[int, int] = {}  # batch size -> drafts of its last decode step
         EXPECTED.clear()  # a new engine: nothing of an earlier one's drafter
+        SPREAD.clear()
         SUBTREES.clear()
 
     def __getitem__(self, n):
@@ -152,14 +170,19 @@ class ArmLookup(list):
             rate = self.rates(n)
             lead = self.leader[n]
             other = chain if lead == tree else tree
-            if rate[other] > MARGIN * rate[lead]:
+            edge = self.edge(n)
+            if edge is not None:  # paired counts: the tree only where it clearly leads
+                lead, other = (tree, chain) if edge > Z else (chain, tree)
+            elif rate[other] > MARGIN * rate[lead]:
                 lead, other = other, lead
-                self.leader[n] = lead
-            best = lead
+            self.leader[n] = best = lead
             lo = min(rate.values())
             known = min(t.steps, c.steps) >= WELL
-            period = self.explore * (4 if known and lo > 0 and
-                                     max(rate.values()) > CLEAR * lo else 1)
+            clear = abs(edge) > 2 * Z if edge is not None else \
+                lo > 0 and max(rate.values()) > CLEAR * lo
+            period = self.explore * (4 if known and clear else 1)
+            if edge is not None and 0 < edge <= Z:  # the tree may lead: look again soon
+                period = max(2, self.explore // 4)
             self.choices[n] += 1
             pick = other if self.choices[n] % period == 0 else best
         self.current[n] = pick
@@ -176,6 +199,22 @@ class ArmLookup(list):
             return {k: self.stats[(n, k)].rate for k in ks}
         return {k: e / s.step_s if s.step_s > 0 else 0.0
                 for k, e, s in zip(ks, exp, (self.stats[(n, k)] for k in ks))}
+
+    def edge(self, n: int) -> float | None:
+        """The tree's lead over the chain in tokens/s per request, in standard errors of
+        the paired counts (SPREAD), or None before both counts and step times are
+        known."""
+        exp, spread = EXPECTED.get(n), SPREAD.get(n)
+        tree, chain = self.arms[n]
+        a, b = self.stats[(n, tree)].step_s, self.stats[(n, chain)].step_s
+        if exp is None or spread is None or a <= 0 or b <= 0:
+            return None
+        vt, vc, cov, rows = spread
+        diff = exp[0] / a - exp[1] / b
+        var = (vt / (a * a) + vc / (b * b) - 2 * cov / (a * b)) / max(rows, 1.0)
+        if var <= 0:  # no spread (a random drafter: one token a step on both arms)
+            return math.copysign(math.inf, diff) if diff else 0.0
+        return diff / math.sqrt(var)
 
     def observe(self, scheduler_output, model_runner_output) -> None:
         """A step's output: for a pure decode step (every request verifies the same k
@@ -219,8 +258,9 @@ class ArmLookup(list):
 
     def summary(self) -> dict:
         """Per tree batch size: each arm's measured tokens/s and ms per step, steps
-        seen, times chosen, and (when published) the expected tokens per step; under
-        "subtrees", those of smaller trees priced on the same steps."""
+        seen, times chosen, and (when published) the expected tokens per step, the
+        tree's "edge" in standard errors, and under "subtrees" the tokens of smaller
+        trees priced on the same steps."""
         out = {}
         for n, ks in self.arms.items():
             exp = EXPECTED.get(n, (None, None))
@@ -230,6 +270,9 @@ class ArmLookup(list):
                 "expected": None if e is None else round(e, 3),
                 "steps": self.stats[(n, k)].steps, "chosen": self.picked[(n, k)]}
                 for k, e in zip(ks, exp)}
+            edge = self.edge(n)
+            if edge is not None:
+                out[n]["edge"] = round(max(-99.0, min(99.0, edge)), 2)
             if n in SUBTREES:
                 out[n]["subtrees"] = {b: round(v, 3) for b, v in SUBTREES[n].items()}
         return out

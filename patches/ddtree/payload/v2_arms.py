@@ -22,7 +22,8 @@ too (``arms.SUBTREES``, reported only: the choice plays B or C).
 Sums per batch size stay on the device (no host sync); every PUBLISH measured steps
 they are copied to pinned memory without a sync and published, one period later, to
 ``arms.EXPECTED`` (tokens per request-step, bonus included), which the scheduler's
-ArmLookup divides by its measured step times.  One process only (the scheduler and
+ArmLookup divides by its measured step times, with the paired spread of the two counts
+(``arms.SPREAD``): the tree is played only where its edge clears its error bar.  One process only (the scheduler and
 this worker share ``arms``: vLLM's in-process executor, TP = 1); elsewhere the
 scheduler falls back to measured tokens.
 """
@@ -34,10 +35,11 @@ import torch
 from . import arms
 
 PUBLISH = 4  # measured tree steps between two copies of the sums to the host
-# weight of the sums after each copy (older steps fade): about 25 steps remembered.
-# Simulated (both halves, tests/gpu/test_arms.py, run 9's step times): at p60 the
-# choice reached 0.98 of the tree's rate with 0.7, 0.996 with 0.85
-KEEP = 0.85
+# weight of the sums after each copy (older steps fade): about 40 rows remembered
+# (76 effective).  Simulated (both halves, tests/gpu/test_arms.py, run 9's step
+# times, the error-bar rule): at p60 the choice reached 0.99 of the tree's rate with
+# 0.85, 0.998 with 0.9
+KEEP = 0.9
 
 
 class ArmExpect:
@@ -46,10 +48,14 @@ class ArmExpect:
         self.tree_sizes = set(tree_sizes)  # batch sizes that have arms
         self.chain = min(chain, depth)  # C drafts of the chain arm
         self.subtrees = sorted({b for b in subtrees if b > self.chain})
-        # per batch size: tree accepted sum, rows, chain accepted sum, rows, then the
-        # accepted sum of each subtree
-        cols = 4 + len(self.subtrees)
+        # per batch size: tree accepted sum, rows, chain accepted sum, rows, the sums of
+        # tree^2, chain^2 and tree x chain and of the rows' squared weights (the
+        # choice's error bar), then the accepted sum of each subtree
+        cols = 8 + len(self.subtrees)
         self.sums = torch.zeros(max_reqs + 1, cols, dtype=torch.float32, device=device)
+        # older steps fade: every column by KEEP, the squared weights by KEEP^2
+        self.fade = torch.full((cols,), KEEP, dtype=torch.float32, device=device)
+        self.fade[7] = KEEP * KEEP
         # the top-1 chain of each request-state slot's last tree draft
         self.top1 = torch.zeros(max_reqs, max(self.chain, 1), dtype=torch.int64,
                                 device=device)
@@ -106,8 +112,9 @@ class ArmExpect:
         later = self._pos.unsqueeze(0) >= start.unsqueeze(1)
         rest = (torch.exp(cum - base) * later).sum(1)
         chain_acc = chain_acc + torch.where(cut, rest, 0.0)
-        one = torch.ones_like(chain_acc)
-        per_row = [acc.float(), one, chain_acc, one]  # the columns of self.sums
+        one, t = torch.ones_like(chain_acc), acc.float()
+        per_row = [t, one, chain_acc, one, t * t, chain_acc * chain_acc, t * chain_acc,
+                   one]
         if self.subtrees:  # all sizes at once: [S, n] accepted inside each subtree
             path = accepted_rows[:n, 1:].unsqueeze(0)  # verify row r = node r - 1
             inside = (path > 0) & (path <= self._subs.view(-1, 1, 1))
@@ -124,7 +131,7 @@ class ArmExpect:
             arms.publish(self.host.tolist(), self.subtrees)
         if self.calls % PUBLISH == 0 and not self.pending:
             self.host.copy_(self.sums, non_blocking=self.event is not None)
-            self.sums.mul_(KEEP)
+            self.sums.mul_(self.fade)
             if self.event is not None:
                 self.event.record()
             self.pending = True

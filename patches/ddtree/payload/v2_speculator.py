@@ -142,7 +142,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.chain_graphs = None
         if self.chain_budget and v2_chain_graphs.enabled():
             self.chain_graphs = v2_chain_graphs.make(self, self.tree_sizes())
-            v2_chain_graphs.warn_experimental(self.chain_graphs)
+            v2_chain_graphs.log_state(self.chain_graphs)
 
     def capture(self) -> None:
         super().capture()
