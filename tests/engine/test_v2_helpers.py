@@ -320,8 +320,10 @@ def main() -> None:
             k += 1
         return k
 
-    want = chain_acc(0, top1[0].tolist()) + chain_acc(2, top1[1].tolist())
-    assert spec.expect.sums[3].tolist() == [a0 + 1, 2, want, 2]
+    c0, c2 = chain_acc(0, top1[0].tolist()), chain_acc(2, top1[1].tolist())
+    # [tree sum, rows, chain sum, rows, tree^2, chain^2, tree x chain, weights^2]
+    assert spec.expect.sums[3].tolist() == [a0 + 1, 2, c0 + c2, 2, a0 * a0 + 1,
+                                            c0 * c0 + c2 * c2, a0 * c0 + c2, 2]
     assert torch.equal(pos[: L + 1], linear[: L + 1]) and torch.equal(pos[7:], linear[7:])
     for j in range(1, a0 + 1):
         assert int(hid[1][j, 0]) == 1000 + rows0[j]

@@ -18,6 +18,13 @@ arms = payload_module("arms")
 TREE, CHAIN = 64, 15
 
 
+@pytest.fixture(autouse=True)
+def _no_worker_half(monkeypatch):
+    """Each test starts as a scheduler without the worker half in its process (an
+    ArmExpect made by the test sets arms.PAIRED; monkeypatch restores it)."""
+    monkeypatch.setattr(arms, "PAIRED", False)
+
+
 def out(reqs: dict[str, int], drafts: dict[str, int], sampled: list[int]):
     """A SchedulerOutput / ModelRunnerOutput pair: reqs = scheduled tokens per request,
     drafts = draft count per request (placeholders), sampled = tokens emitted."""
@@ -556,3 +563,33 @@ def test_a_close_call_goes_to_the_chain(monkeypatch):
     assert lookup.edge(1) == -math.inf and lookup.summary()[1]["edge"] == -99.0
     arms.ArmLookup([0, TREE], CHAIN)  # a new engine forgets the spread too
     assert arms.SPREAD == {}
+
+
+def test_paired_counts_shorten_the_calibration(monkeypatch):
+    """With the worker half in this process (an ArmExpect exists), each arm needs
+    MIN_PAIRED measured steps before the choice, not MIN_STEPS (the tree's steps give
+    the chain's tokens too); the first copy of the sums goes out from the first tree
+    step, without fading it."""
+    import torch
+
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+    v2_arms = payload_module("v2_arms")
+
+    def calibration(paired: bool) -> list[int]:
+        if paired:
+            v2_arms.ArmExpect([1], CHAIN, CHAIN, max_reqs=1, device="cpu")
+        lookup = arms.ArmLookup([0, TREE], CHAIN)
+        return simulate(lookup, {TREE: 8.0, CHAIN: 7.0}, {TREE: 3.0, CHAIN: 2.0}, steps=24)
+
+    alone = calibration(False)
+    assert not arms.PAIRED and alone[:2 * arms.WINDOW] == [TREE] * 2 * arms.WINDOW
+    paired = calibration(True)
+    assert arms.PAIRED and arms.MIN_PAIRED < arms.MIN_STEPS
+    assert paired[:arms.WINDOW] == [TREE] * arms.WINDOW
+    assert paired[arms.WINDOW:2 * arms.WINDOW] == [CHAIN] * arms.WINDOW
+    ex = v2_arms.ArmExpect([1], 2, 3, max_reqs=1, device="cpu")
+    ex.draft(torch.zeros(1, 3, 2), torch.tensor([[[5, 6], [7, 8], [9, 1]]]),
+             torch.zeros(1, 3), torch.tensor([0]))
+    out, acc = _walk_out([[5, 7, 4]], 4)
+    ex.verified(1, torch.tensor([0]), out, acc, torch.tensor([True]))
+    assert ex.pending and ex.sums[1].tolist()[:4] == [2, 1, 2, 1]  # copied, not faded

@@ -23,13 +23,14 @@ edge over the chain exceeds Z standard errors of the paired estimate (SPREAD): t
 chain is the safe side of a close call (H200, run 10: p80 at two requests, the tree
 picked on an edge within its noise ran 0.89-0.91x the chain).  Else (measured tokens)
 the other arm must beat the leader by MARGIN.  The first steps of each arm
-calibrate; after that, a choice holds WINDOW steps, and every EXPLORE-th choice (4 x
-EXPLORE once both arms have WELL steps and one is clearly ahead: by 2 Z standard
-errors, or by CLEAR on measured tokens) plays the other arm: about 6 % of the steps
-when the two are close, 1.5 % when they are not.  A step time is the median of an
-arm's last RECENT steps, the first step after a switch left out (H200, run 8: at one
-request the tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of
-another run 7.9 ms; the cause was not found).  VLLM_DDTREE_ARMS="window,explore"
+calibrate (MIN_STEPS; MIN_PAIRED with paired counts, where the tree's steps give the
+chain's tokens too); after that, a choice holds WINDOW steps, and every EXPLORE-th
+choice (4 x EXPLORE once both arms have WELL steps and one is clearly ahead: by 2 Z
+standard errors, or by CLEAR on measured tokens; EXPLORE / 4 while the tree may lead
+but not clearly) plays the other arm.  A step time is the median of an arm's last
+RECENT steps, the first step after a switch left out (H200, run 8: at one request the
+tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of another run 7.9
+ms; the cause was not found).  VLLM_DDTREE_ARMS="window,explore"
 overrides WINDOW and EXPLORE (tests); a bad value is refused at engine configuration.
 """
 
@@ -44,7 +45,8 @@ from collections import deque
 WINDOW = 4
 EXPLORE = 16
 CLEAR = 1.15
-MIN_STEPS = 4
+MIN_STEPS = 4  # calibration steps per arm on measured tokens
+MIN_PAIRED = 2  # and where the worker half publishes paired counts (PAIRED)
 WELL = 12  # steps of the less played arm before exploring less than every EXPLORE-th
 RECENT = 16  # step times kept per arm
 DECAY = 0.97  # weight of older steps, per step of the same arm
@@ -67,6 +69,10 @@ def _knobs() -> tuple[int, int]:
         raise ValueError(f"VLLM_DDTREE_ARMS: window >= 1 and explore >= 2, got {raw!r}")
     return w, e
 
+
+# set by the worker half (v2_arms.ArmExpect) when it runs in this process: its paired
+# counts will be published, so each arm needs fewer steps of its own to start
+PAIRED = False
 
 # batch size -> (tokens per request-step of the tree, of the chain), both measured on
 # the same tree steps and published by the worker in this process (v2_arms.py)
@@ -162,9 +168,10 @@ class ArmLookup(list):
             return self.current[n]
         tree, chain = self.arms[n]
         t, c = self.stats[(n, tree)], self.stats[(n, chain)]
-        if t.steps < MIN_STEPS:
+        least = MIN_PAIRED if PAIRED else MIN_STEPS
+        if t.steps < least:
             pick = tree
-        elif c.steps < MIN_STEPS:
+        elif c.steps < least:
             pick = chain
         else:
             rate = self.rates(n)

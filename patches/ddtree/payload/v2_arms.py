@@ -69,6 +69,7 @@ class ArmExpect:
         self.event = torch.cuda.Event() if cuda else None
         self.calls = 0
         self.pending = False
+        arms.PAIRED = True  # the scheduler in this process will get paired counts
 
     def reset(self) -> None:
         """Forget every measured step (benchmarks: each cell starts afresh)."""
@@ -129,9 +130,13 @@ class ArmExpect:
         if self.pending and (self.event is None or self.event.query()):
             self.pending = False
             arms.publish(self.host.tolist(), self.subtrees)
-        if self.calls % PUBLISH == 0 and not self.pending:
+        # the first PUBLISH steps each (so that the choice starts early), then every
+        # PUBLISH-th, when older steps fade
+        early = self.calls < PUBLISH
+        if (early or self.calls % PUBLISH == 0) and not self.pending:
             self.host.copy_(self.sums, non_blocking=self.event is not None)
-            self.sums.mul_(self.fade)
+            if not early:
+                self.sums.mul_(self.fade)
             if self.event is not None:
                 self.event.record()
             self.pending = True

@@ -1,0 +1,108 @@
+"""The tree-vs-chain choice (payload/arms.py + v2_arms.py), simulated on the CPU against
+the real tree build and walk: tokens/s of the choice vs always the chain and vs the
+faster arm (each on the same rows), for short and long runs, at measured step times.
+Prints a table.
+
+    python bench/arms_sim.py                      # run 10's step times, 1 and 2 requests
+    python bench/arms_sim.py --tree-ms 9 --chain-ms 7 --seeds 24
+
+Each profile is a calibrated synthetic drafter (the true token at a rank drawn from the
+profile; tests/gpu/test_arms.py's _tree_step) with L = 15, B = 64, C = 15.  A step of
+the simulated engine verifies the arm the lookup chose one step earlier (async
+scheduling), takes that arm's time (+-2 %) and emits its real accepted length; a tree
+step feeds the worker half (both arms' counts).  One request per step (at 2 requests
+the step times are 2's; the choice then sees half the rows a real step would give it,
+so this side is pessimistic).  Speed here is tokens per simulated ms: what it measures
+is the choice's cost (calibration, exploration, wrong calls), not the GPU.
+"""
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from gpu.test_arms import _tree_step, out  # noqa: E402
+from gpu.conftest import payload_module  # noqa: E402
+
+arms = payload_module("arms")
+v2_arms = payload_module("v2_arms")
+L, V, B, C = 15, 2000, 64, 15
+PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
+            "p90": [0.9, 0.05, 0.02], "weak": [0.3, 0.1]}
+# H200, run 10 (bench/RESULTS.md): ms per step, tree of 64 / chain of 15, V2, 0.33.0
+STEP_MS = {1: (8.4, 6.96), 2: (10.0, 7.13)}
+
+
+def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None):
+    """(tokens per ms, share of tree steps) of the choice over ``steps`` steps, or of
+    always the arm ``fixed`` (B or C) on the same rows and times."""
+    vals, idx, lse, walk, hits = pool
+    tree_acc, chain_acc = walk.num_accepted, hits[:, :C].sum(1)
+    ex = v2_arms.ArmExpect([1], C, L, max_reqs=1, device="cpu")
+    lookup = arms.ArmLookup([0, B], C)
+    clock = [0.0]
+    lookup.clock = lambda: clock[0] / 1000
+    one, valid = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool)
+    rng = random.Random(seed)
+    k, tokens, ms, trees = lookup[1], 0, 0.0, 0
+    for _ in range(steps):
+        j = rng.randrange(tree_acc.numel())
+        nxt = lookup[1]
+        if fixed:
+            k = nxt = fixed
+        if k == B:
+            ex.draft(vals[j:j + 1], idx[j:j + 1], lse[j:j + 1], one)
+            ex.verified(1, one, walk.output_tokens[j:j + 1], tree_acc[j:j + 1], valid)
+            emitted, dt, trees = 1 + int(tree_acc[j]), ms_tree, trees + 1
+        else:
+            emitted, dt = 1 + int(chain_acc[j]), ms_chain
+        dt *= rng.uniform(0.98, 1.02)
+        clock[0] += dt
+        tokens, ms = tokens + emitted, ms + dt
+        lookup.observe(*out({"r": 1 + k}, {"r": k}, [emitted]))
+        k = nxt
+    return tokens / ms, trees / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree-ms", type=float)
+    ap.add_argument("--chain-ms", type=float)
+    ap.add_argument("--seeds", type=int, default=12)
+    ap.add_argument("--steps", default="40,80,400")
+    a = ap.parse_args()
+    times = {"given": (a.tree_ms, a.chain_ms)} if a.tree_ms and a.chain_ms else STEP_MS
+    lens = [int(x) for x in a.steps.split(",")]
+    pools = {p: _tree_step(3, 1500, L, V, B, probs) for p, probs in PROFILES.items()}
+    print("| requests | ms tree / chain | profile | tree / chain (always) | "
+          + " | ".join(f"{s} steps: / chain, / faster, tree share" for s in lens) + " |")
+    print("| --- | --- | --- | ---: |" + " ---: |" * len(lens))
+    for n, (mt, mc) in times.items():
+        for p, pool in pools.items():
+            walk, hits = pool[3], pool[4]
+            rate_t = (1 + float(walk.num_accepted.float().mean())) / mt
+            rate_c = (1 + float(hits[:, :C].sum(1).float().mean())) / mc
+            cells = []
+            for s in lens:  # each seed: the same rows for the choice and both arms
+                got, chain, best, share = [], [], [], []
+                for seed in range(a.seeds):
+                    g, sh = play(pool, s, seed, mt, mc)
+                    c = play(pool, s, seed, mt, mc, fixed=C)[0]
+                    t = play(pool, s, seed, mt, mc, fixed=B)[0]
+                    got.append(g), chain.append(c), best.append(max(c, t)), share.append(sh)
+                m = statistics.mean
+                cells.append(f"{m(got) / m(chain):.3f}, {m(got) / m(best):.3f}, "
+                             f"{m(share):.2f}")
+            print(f"| {n} | {mt} / {mc} | {p} | {rate_t / rate_c:.3f} | "
+                  + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
