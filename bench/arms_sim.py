@@ -5,6 +5,7 @@ Prints a table.
 
     python bench/arms_sim.py                      # run 10's step times, 1 and 2 requests
     python bench/arms_sim.py --tree-ms 9 --chain-ms 7 --seeds 24
+    python bench/arms_sim.py --switch-ms 5     # a switch of arms costs 5 ms more
 
 Each profile is a calibrated synthetic drafter (the true token at a rank drawn from the
 profile; tests/gpu/test_arms.py's _tree_step) with L = 15, B = 64, C = 15.  A step of
@@ -40,9 +41,11 @@ PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
 STEP_MS = {1: (8.4, 6.96), 2: (10.0, 7.13)}
 
 
-def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None):
+def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None,
+         switch_ms: float = 0.0):
     """(tokens per ms, share of tree steps) of the choice over ``steps`` steps, or of
-    always the arm ``fixed`` (B or C) on the same rows and times."""
+    always the arm ``fixed`` (B or C) on the same rows and times; ``switch_ms`` is
+    added to a step whose arm differs from the step before."""
     vals, idx, lse, walk, hits = pool
     tree_acc, chain_acc = walk.num_accepted, hits[:, :C].sum(1)
     ex = v2_arms.ArmExpect([1], C, L, max_reqs=1, device="cpu")
@@ -52,6 +55,7 @@ def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=Non
     one, valid = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool)
     rng = random.Random(seed)
     k, tokens, ms, trees = lookup[1], 0, 0.0, 0
+    prev = k
     for _ in range(steps):
         j = rng.randrange(tree_acc.numel())
         nxt = lookup[1]
@@ -63,7 +67,8 @@ def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=Non
             emitted, dt, trees = 1 + int(tree_acc[j]), ms_tree, trees + 1
         else:
             emitted, dt = 1 + int(chain_acc[j]), ms_chain
-        dt *= rng.uniform(0.98, 1.02)
+        dt = dt * rng.uniform(0.98, 1.02) + (switch_ms if k != prev else 0.0)
+        prev = k
         clock[0] += dt
         tokens, ms = tokens + emitted, ms + dt
         lookup.observe(*out({"r": 1 + k}, {"r": k}, [emitted]))
@@ -77,6 +82,8 @@ def main() -> None:
     ap.add_argument("--chain-ms", type=float)
     ap.add_argument("--seeds", type=int, default=12)
     ap.add_argument("--steps", default="40,80,400")
+    ap.add_argument("--switch-ms", type=float, default=0.0,
+                    help="added to a step whose arm differs from the step before's")
     a = ap.parse_args()
     times = {"given": (a.tree_ms, a.chain_ms)} if a.tree_ms and a.chain_ms else STEP_MS
     lens = [int(x) for x in a.steps.split(",")]
@@ -93,7 +100,7 @@ def main() -> None:
             for s in lens:  # each seed: the same rows for the choice and both arms
                 got, chain, best, share = [], [], [], []
                 for seed in range(a.seeds):
-                    g, sh = play(pool, s, seed, mt, mc)
+                    g, sh = play(pool, s, seed, mt, mc, switch_ms=a.switch_ms)
                     c = play(pool, s, seed, mt, mc, fixed=C)[0]
                     t = play(pool, s, seed, mt, mc, fixed=B)[0]
                     got.append(g), chain.append(c), best.append(max(c, t)), share.append(sh)

@@ -127,10 +127,12 @@ def arms_table(runs: list) -> str:
     """The tree-vs-chain choice per e2e cell and batch size (step_bench's ``arms``):
     steps played per arm, ms per step, tokens per step of each arm measured on the same
     tree steps, the tree's edge in standard errors (``edge``; the tree leads above 1),
+    what a switch cost beyond the new arm's step (``switch_ms``, over ``switches``),
     and the tokens of the smaller trees priced there (``subtrees``)."""
     out = ["| round | config | cell | N | tree / chain steps | ms tree / chain | "
-           "tokens tree / chain | edge | smaller trees (b: tokens) |",
-           "| ---: | --- | --- | ---: | --- | --- | --- | ---: | --- |"]
+           "tokens tree / chain | edge | switch ms (switches) | "
+           "smaller trees (b: tokens) |",
+           "| ---: | --- | --- | ---: | --- | --- | --- | ---: | ---: | --- |"]
     for i, run in enumerate(runs, 1):
         for name, v in run.items():
             for cell, e in sorted(v.get("e2e", {}).items()):
@@ -143,10 +145,12 @@ def arms_table(runs: list) -> str:
                     if not tree or not chain or not (tree["steps"] or chain["steps"]):
                         continue
                     subs = ", ".join(f"{b}: {t}" for b, t in (a.get("subtrees") or {}).items())
+                    sw = f"{fmt(a['switch_ms'])} ({a['switches']})" if a.get("switches") \
+                        else "-"
                     out.append(f"| {i} | {name} | {cell} | {n} | {tree['steps']} / "
                                f"{chain['steps']} | {fmt(tree['ms'])} / {fmt(chain['ms'])} | "
                                f"{fmt(tree['expected'])} / {fmt(chain['expected'])} | "
-                               f"{fmt(a.get('edge'))} | {subs or '-'} |")
+                               f"{fmt(a.get('edge'))} | {sw} | {subs or '-'} |")
     return "\n".join(out)
 
 

@@ -38,12 +38,12 @@ def test_the_choice_table_lists_both_arms_and_the_smaller_trees():
                        "chosen": 16},
            "chain 15": {"tok_per_s": 520.0, "ms": 7.3, "expected": 2.3, "steps": 7,
                         "chosen": 2},
-           "edge": 3.2, "subtrees": {"32": 3.2, "16": 2.9}}
+           "edge": 3.2, "switches": 5, "switch_ms": 1.25, "subtrees": {"32": 3.2, "16": 2.9}}
     idle = {"tree 64": dict(arm["tree 64"], steps=0), "chain 15": dict(arm["chain 15"],
                                                                          steps=0)}
     run = {"ddtree64autoasync": {"e2e": {"p60_N1": {"arms": {"1": arm, "2": idle}}}}}
     rows = [x for x in r.arms_table([run]).splitlines() if x.startswith("| 1 |")]
     assert rows == ["| 1 | ddtree64autoasync | p60_N1 | 1 | 56 / 7 | 8.40 / 7.30 | "
-                    "3.40 / 2.30 | 3.20 | 32: 3.2, 16: 2.9 |"]
-    del arm["edge"]  # runs before the error bar: no edge
-    assert "| 3.40 / 2.30 | - | 32" in r.arms_table([run])
+                    "3.40 / 2.30 | 3.20 | 1.25 (5) | 32: 3.2, 16: 2.9 |"]
+    del arm["edge"], arm["switches"]  # before the error bar, before a measured switch
+    assert "| 3.40 / 2.30 | - | - | 32" in r.arms_table([run])

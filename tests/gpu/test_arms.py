@@ -5,6 +5,7 @@ scheduler does), takes the arm's time and emits the arm's tokens.  Deterministic
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from types import SimpleNamespace
@@ -593,3 +594,30 @@ def test_paired_counts_shorten_the_calibration(monkeypatch):
     out, acc = _walk_out([[5, 7, 4]], 4)
     ex.verified(1, torch.tensor([0]), out, acc, torch.tensor([True]))
     assert ex.pending and ex.sums[1].tolist()[:4] == [2, 1, 2, 1]  # copied, not faded
+
+
+@pytest.mark.parametrize("extra", [0.0, 0.3, 6.0])
+def test_a_switch_is_priced_and_held_longer_when_it_costs(extra, monkeypatch):
+    """The first step after a switch is not an arm step (its interval may hold the other
+    arm's tail); its excess over the new arm's median step is reported as switch_ms,
+    and a choice holds long enough that a switch costs at most SWITCH_SHARE of it."""
+    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+    lookup = arms.ArmLookup([0, TREE], CHAIN)
+    clock = [0.0]
+    lookup.clock = lambda: clock[0]
+    cost, k, prev, seen = {TREE: 8.0, CHAIN: 7.0}, lookup[1], None, []
+    for _ in range(400):
+        nxt = lookup[1]
+        clock[0] += cost[k] + (extra if prev is not None and k != prev else 0.0)
+        lookup.observe(*out({"r": 1 + k}, {"r": k}, [2]))
+        prev, k = k, nxt
+        seen.append(k)
+    st = lookup.summary()[1]
+    assert st["switches"] >= 3, st
+    assert st["switch_ms"] == pytest.approx(1e3 * extra, abs=1e-6), st  # clock: seconds
+    assert st[f"tree {TREE}"]["ms"] == 1e3 * cost[TREE]  # switches left out of the medians
+    assert st[f"chain {CHAIN}"]["ms"] == 1e3 * cost[CHAIN]
+    want = max(arms.WINDOW, math.ceil(extra / (arms.SWITCH_SHARE * cost[CHAIN])))
+    assert lookup._window(1) == want and want == (9 if extra > 1 else arms.WINDOW)
+    runs = [len(list(g)) for _, g in itertools.groupby(seen[200:])][1:-1]
+    assert runs and all(r >= want for r in runs), runs  # whole choices between switches

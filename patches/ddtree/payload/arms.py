@@ -30,8 +30,12 @@ standard errors, or by CLEAR on measured tokens; EXPLORE / 4 while the tree may 
 but not clearly) plays the other arm.  A step time is the median of an arm's last
 RECENT steps, the first step after a switch left out (H200, run 8: at one request the
 tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of another run 7.9
-ms; the cause was not found).  VLLM_DDTREE_ARMS="window,explore"
-overrides WINDOW and EXPLORE (tests); a bad value is refused at engine configuration.
+ms; the cause was not found).  That first step's excess over the new arm's median is
+the switch's cost (summary: switch_ms); where it is positive a choice holds long
+enough that a switch costs at most SWITCH_SHARE of its steps (simulated with 5 ms a
+switch, bench/arms_sim.py: 0.966-0.971 -> 0.976-0.980 of the chain where the chain
+wins).  VLLM_DDTREE_ARMS="window,explore" overrides WINDOW and EXPLORE (tests); a bad
+value is refused at engine configuration.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ WELL = 12  # steps of the less played arm before exploring less than every EXPLO
 RECENT = 16  # step times kept per arm
 DECAY = 0.97  # weight of older steps, per step of the same arm
 MARGIN = 1.02  # measured tokens: the other arm must beat the leader by 2 % to lead
+SWITCH_SHARE = 0.1  # a choice holds long enough that a measured switch costs <= 10 %
 Z = 1.0  # published counts: the tree leads only where its edge exceeds Z std errors
 LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
 
@@ -153,6 +158,8 @@ class ArmLookup(list):
         self._last = None  # clock at the previous output, when that step was a decode
         self._logged = clock()
         self._width: dict[int, int] = {}  # batch size -> drafts of its last decode step
+        # batch size -> [switches measured, sum of their first steps' excess seconds]
+        self.switches: dict[int, list] = {}
         EXPECTED.clear()  # a new engine: nothing of an earlier one's drafter
         SPREAD.clear()
         SUBTREES.clear()
@@ -193,9 +200,19 @@ class ArmLookup(list):
             self.choices[n] += 1
             pick = other if self.choices[n] % period == 0 else best
         self.current[n] = pick
-        self.hold[n] = self.window - 1
+        self.hold[n] = self._window(n) - 1
         self.picked[(n, pick)] += 1
         return pick
+
+    def _window(self, n: int) -> int:
+        """Steps a choice holds: WINDOW, or as many as make a measured switch cost at
+        most SWITCH_SHARE of them (up to 4 x WINDOW)."""
+        count, excess = self.switches.get(n, (0, 0.0))
+        steps = [self.stats[(n, k)].step_s for k in self.arms[n]]
+        if count < 2 or excess <= 0 or min(steps) <= 0:
+            return self.window
+        per = excess / count / (SWITCH_SHARE * min(steps))
+        return max(self.window, min(4 * self.window, math.ceil(per)))
 
     def rates(self, n: int) -> dict[int, float]:
         """Tokens/s per arm at batch size n: the worker's expected tokens per step over
@@ -255,8 +272,14 @@ class ArmLookup(list):
         self._last = now
         arm = self.stats.get((n, k))
         switched, self._width[n] = self._width.get(n) != k, k
-        if arm is None or last is None or switched:  # the first step after a switch:
-            return  # its interval may hold the other arm's tail (not measured)
+        if arm is None or last is None:
+            return
+        if switched:  # the first step after a switch may hold the other arm's tail: not
+            if arm.recent:  # an arm step, but its excess over the arm's median is kept
+                sw = self.switches.setdefault(n, [0, 0.0])
+                sw[0] += 1
+                sw[1] += (now - last) - arm.step_s
+            return
         sampled = model_runner_output.sampled_token_ids or []
         arm.add(sum(len(x) for x in sampled), now - last)
         if now - self._logged > LOG_EVERY:
@@ -266,8 +289,9 @@ class ArmLookup(list):
     def summary(self) -> dict:
         """Per tree batch size: each arm's measured tokens/s and ms per step, steps
         seen, times chosen, and (when published) the expected tokens per step, the
-        tree's "edge" in standard errors, and under "subtrees" the tokens of smaller
-        trees priced on the same steps."""
+        tree's "edge" in standard errors, the measured "switches" with the mean excess
+        of a switch's first step over the new arm's median ("switch_ms"), and under
+        "subtrees" the tokens of smaller trees priced on the same steps."""
         out = {}
         for n, ks in self.arms.items():
             exp = EXPECTED.get(n, (None, None))
@@ -280,6 +304,10 @@ class ArmLookup(list):
             edge = self.edge(n)
             if edge is not None:
                 out[n]["edge"] = round(max(-99.0, min(99.0, edge)), 2)
+            if n in self.switches:  # what a switch costs beyond the new arm's step
+                count, excess = self.switches[n]
+                out[n]["switches"] = count
+                out[n]["switch_ms"] = round(1e3 * excess / count, 3)
             if n in SUBTREES:
                 out[n]["subtrees"] = {b: round(v, 3) for b, v in SUBTREES[n].items()}
         return out
