@@ -26,13 +26,15 @@ with random safetensors written here (draft_load_config: safetensors).
     and every output is checked against the pi-chain (lossless).
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
-    CONFIG: nospec | chain15 | chain15async | ddtree<B>[pb|chain|auto][cg|nocg][async]
+    CONFIG: nospec | chain15 | chain15async | ddtree<B>[pb|chain|auto][warm][cg|nocg][async]
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
     decoding; chain: budget B for 1-2 requests, a
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
     pinned, DDTree's V2 default: that schedule with chains of min(L, B - 1), and at 1-2
     requests the tree or the chain by tokens/s, arms.py; the chain arm's own draft graphs
-    follow the default (on) unless nocg (VLLM_DDTREE_CHAIN_GRAPHS=0) or cg (=1))
+    follow the default (on) unless nocg (VLLM_DDTREE_CHAIN_GRAPHS=0) or cg (=1); warm:
+    before each timed e2e cell an untimed run of it on other prompts, so the choice is
+    timed in its steady state instead of its start)
 
 With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
 default; DDTree follows it there): the same step walls, spans hooked on V2's own
@@ -83,6 +85,9 @@ def parse(cfg: str):
         # turns them off, cg pins them on
         cg = "0" if rest.endswith("nocg") else "1" if rest.endswith("cg") else None
         rest = rest[:-4] if cg == "0" else rest[:-2] if cg else rest
+        # warm: the choice keeps what an untimed whole run of the cell taught it
+        warm = rest.endswith("warm")
+        rest = rest[:-4] if warm else rest
         pb = rest.endswith("pb")  # budget per batch size: B, B/2, B/4 for 1, 2-3, 4+
         chain = rest.endswith("chain")  # B for 1-2 requests, a chain of L from 3 on
         auto = rest.endswith("auto")  # DDTree's V2 default: that, tree vs chain at 1-2
@@ -91,7 +96,8 @@ def parse(cfg: str):
             [[1, 2, k], [3, 1024, min(L, k)]] if chain else \
             [[1, 2, k], [3, 1024, min(L, k - 1)]] if auto else None
         return dict(kind="ddtree", k=k, async_sched=asy, per_batch=sched, auto=auto,
-                    chain=min(L, k) if chain else min(L, k - 1) if auto else 0, cg=cg)
+                    chain=min(L, k) if chain else min(L, k - 1) if auto else 0, cg=cg,
+                    warm=warm)
     raise ValueError(cfg)
 
 
@@ -473,6 +479,10 @@ def run_config(name, out_dir, res):
                 continue
             toks = C.prompts(n, PROMPT, 1000, 100000, seed=100 + n)
             C.reset_arms(llm)  # the tree-vs-chain controller learns each cell afresh
+            if spec.get("warm") and C.arms_of(llm) is not None:
+                # ... or keeps what a whole untimed run of the cell (other prompts, same
+                # profile and batch) taught it: a server's steady state, not its start
+                C.generate(llm, C.prompts(n, PROMPT, 1000, 100000, seed=700 + n), E2E_NEW)
             # warm-up, other prompts (no prefix-cache hits), staggered lengths: the batch
             # drains one request at a time, so every batch size below n (and its Triton
             # specialisations: n == 1, n % 16 == 0, other) compiles before the timed run

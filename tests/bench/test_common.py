@@ -68,3 +68,6 @@ def test_config_names_of_the_step_bench():
     off = sb.parse("ddtree64autonocgasync")
     assert off["cg"] == "0" and off["auto"] and off["k"] == 64
     assert sb.parse("ddtree64chainasync")["per_batch"] == [[1, 2, 64], [3, 1024, 15]]
+    warm = sb.parse("ddtree64autowarmnocgasync")
+    assert warm["warm"] and warm["auto"] and warm["cg"] == "0" and warm["k"] == 64
+    assert sb.parse("ddtree64autowarmasync")["warm"] and not cg["warm"]
