@@ -30,6 +30,8 @@ build_chain_from_topk(vals, idx, max_budget, lse) -> DDTree
     vocab_topk's output is in key order, so there column 0 is the top-1).
 graphed.GraphedBuild(max_budget)(draft) -> Build(tree, vals, idx, lse, chain_scores)
     The per-step build replayed from a CUDA graph per batch bucket.
+graphed.TopkTreeGraphs(max_budget): build_tree_from_topk replayed from a graph per
+    batch size over the caller's static top-K buffers (eager for any other input).
 budget.BudgetController: the cost-aware budget (per step: a tree size or the chain).
 walk_greedy(target argmax [N, B+1] or logits [N, B+1, V], tree) -> WalkResult
 walk_sampled(target_probs [N, B+1, V], tree, uniforms [N, L+1]) -> WalkResult

@@ -91,3 +91,47 @@ def _rows(b: Build, n: int) -> Build:
                    num_nodes=t.num_nodes[:n], scores=t.scores[:n],
                    ancestor_mask=cut(t.ancestor_mask), position_offsets=t.position_offsets[:n])
     return Build(tree, b.vals[:n], b.idx[:n], cut(b.lse), cut(b.chain_scores))
+
+
+class TopkTreeGraphs:
+    """build_tree_from_topk replayed from one CUDA graph per batch size, reading the
+    caller's own static top-K buffers (V2: the speculator's kept top-K, written by its
+    draft graph): ``capture(vals, idx, lse)`` at start-up, then ``__call__`` with the
+    same tensors replays.  Inputs at other addresses or shapes, off CUDA, or during
+    another capture run eagerly (same kernels, same results), never a stale replay."""
+
+    def __init__(self, max_budget: int):
+        self.max_budget = max_budget
+        self.graphs: dict = {}  # n -> (graph, input signature, DDTree outputs)
+
+    def _eager(self, vals, idx, lse) -> DDTree:
+        return build_tree_from_topk(vals, idx, self.max_budget, self.max_budget, lse)
+
+    @staticmethod
+    def _sig(*xs) -> tuple:
+        return tuple(None if x is None else (x.data_ptr(), tuple(x.shape), tuple(x.stride()),
+                                             x.dtype, x.device) for x in xs)
+
+    def capture(self, vals, idx, lse=None) -> bool:
+        """Capture the build for these buffers (their batch size); False off CUDA."""
+        if not vals.is_cuda or torch.cuda.is_current_stream_capturing():
+            return False
+        side = torch.cuda.Stream(vals.device)
+        side.wait_stream(torch.cuda.current_stream(vals.device))
+        with torch.cuda.stream(side):  # warm-up: compiles the kernels, caches the tables
+            self._eager(vals, idx, lse)
+        torch.cuda.current_stream(vals.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._eager(vals, idx, lse)
+        self.graphs[vals.shape[0]] = (graph, self._sig(vals, idx, lse), out)
+        return True
+
+    def __call__(self, vals, idx, lse=None) -> DDTree:
+        """The tree (outputs stay valid until the next call for this batch size)."""
+        got = self.graphs.get(vals.shape[0])
+        if got is None or got[1] != self._sig(vals, idx, lse) or \
+                torch.cuda.is_current_stream_capturing():
+            return self._eager(vals, idx, lse)
+        got[0].replay()
+        return got[2]

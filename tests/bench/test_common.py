@@ -71,3 +71,6 @@ def test_config_names_of_the_step_bench():
     warm = sb.parse("ddtree64autowarmnocgasync")
     assert warm["warm"] and warm["auto"] and warm["cg"] == "0" and warm["k"] == 64
     assert sb.parse("ddtree64autowarmasync")["warm"] and not cg["warm"]
+    bg = sb.parse("ddtree64autowarmbgcgasync")
+    assert bg["bg"] and bg["warm"] and bg["cg"] == "1" and bg["k"] == 64 and not cg["bg"]
+    assert sb.parse("ddtree32bg") == dict(sb.parse("ddtree32"), bg=True)

@@ -391,3 +391,40 @@ def test_graphed_build_matches_eager():
         for f in ("vals", "idx", "lse", "chain_scores"):
             assert torch.equal(getattr(got, f), getattr(exp, f)), f
     assert len(gb.graphs) == (2 if CUDA else 0)
+
+
+def test_topk_tree_graphs_replay_only_over_their_own_buffers():
+    """TopkTreeGraphs (V2's VLLM_DDTREE_BUILD_GRAPHS=1): a graph per batch size reads the
+    caller's static top-K buffers; after new values are written there the replay equals
+    the eager build.  Other buffers, other shapes and every call off CUDA run eagerly:
+    never a replay of stale inputs."""
+    from ddtree_patcher.core.graphed import TopkTreeGraphs
+
+    g = torch.Generator(device=DEV).manual_seed(8)
+    L, V, B = (15, 151936, 64) if CUDA else (3, 300, 16)
+    tg = TopkTreeGraphs(B)
+    rows = 4 * L  # the speculator's kept buffers: [max_reqs * L, K] and [max_reqs * L]
+    vals_buf = torch.zeros(rows, B, device=DEV)
+    idx_buf = torch.zeros(rows, B, dtype=torch.int64, device=DEV)
+    lse_buf = torch.zeros(rows, device=DEV)
+
+    def views(n):
+        return (vals_buf[: n * L].view(n, L, B), idx_buf[: n * L].view(n, L, B),
+                lse_buf[: n * L].view(n, L))
+
+    assert [tg.capture(*views(n)) for n in (1, 2)] == [CUDA, CUDA]
+    assert sorted(tg.graphs) == ([1, 2] if CUDA else [])
+    for n in (1, 2, 3, 2, 1):  # 3: never captured -> eager
+        x = torch.randn(n, L, V, device=DEV, generator=g) * 3
+        v, i, s = vocab_topk(x, B)
+        mine = views(n)
+        for buf, new in zip(mine, (v, i, s)):
+            buf.copy_(new)
+        got = tg(*mine)
+        assert_same_tree(got, build_tree_from_topk(v, i, B, B, s))
+        # the same values elsewhere (other addresses): the eager build, same tree
+        assert_same_tree(tg(v.clone(), i.clone(), s.clone()), got)
+        if CUDA and n in tg.graphs:
+            assert got.tokens.data_ptr() == tg.graphs[n][2].tokens.data_ptr()
+        else:
+            assert n not in tg.graphs

@@ -565,7 +565,19 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
         spec.load_model(get_model(vllm_config=cfg))
         assert len(spec.draft_attn_layer_names) == 5
         _check_chain_arm_graphs(spec)
+        _check_build_graphs(spec)
     print(OK)
+
+
+def _check_build_graphs(spec) -> None:
+    """VLLM_DDTREE_BUILD_GRAPHS=1 on the real speculator: its graphs would read the
+    kept top-K buffers themselves; off CUDA nothing is captured (the build stays eager)."""
+    vals, idx, lse = spec._kept_views(2)
+    assert vals.shape == (2, 3, 8) and idx.shape == (2, 3, 8) and lse.shape == (2, 3)
+    assert (vals.data_ptr(), idx.data_ptr(), lse.data_ptr()) == \
+        (spec._top_vals.data_ptr(), spec._top_idx.data_ptr(), spec._lse.data_ptr())
+    spec.capture_builds()
+    assert spec.build_graphs is None
 
 
 def _check_chain_arm_graphs(spec) -> None:

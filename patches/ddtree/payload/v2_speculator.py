@@ -30,18 +30,24 @@ import torch
 
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+import os
+
 from . import v2_chain_graphs
 from .core import build_tree_from_topk
+from .core.graphed import TopkTreeGraphs
 from .core.vocab_topk import vocab_topk
 from .v2_step import SlotTrees
 
 _PROPOSE = inspect.signature(DFlashSpeculator.propose)
+BUILD_GRAPHS_ENV = "VLLM_DDTREE_BUILD_GRAPHS"
+BUILD_GRAPHS_MAX = 8  # tree batch sizes up to this get a captured build (=1 knob)
 
 
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
     _chain_mode = False  # a chain-arm draft (v2_chain_graphs.py) is running
     chain_graphs = None  # the chain arm's draft graphs, or None
+    build_graphs = None  # the tree build's graphs per batch size (TopkTreeGraphs), or None
 
     def __init__(self, vllm_config, device):
         spec = vllm_config.speculative_config
@@ -149,6 +155,20 @@ class DDTreeSpeculator(DFlashSpeculator):
         if self.chain_graphs is not None:
             with self._chain_arm():
                 super().capture()
+        self.build_graphs = None
+        if os.environ.get(BUILD_GRAPHS_ENV, "0").strip() == "1":
+            self.capture_builds()
+
+    def capture_builds(self) -> None:
+        """VLLM_DDTREE_BUILD_GRAPHS=1 (experimental): the tree build after each draft
+        step replays a CUDA graph per tree batch size up to BUILD_GRAPHS_MAX, over the
+        kept top-K buffers, instead of its eager launches."""
+        graphs = TopkTreeGraphs(self.ddtree_budget)
+        sizes = [n for n in self.tree_sizes() if n <= min(BUILD_GRAPHS_MAX, self.max_num_reqs)]
+        done = [n for n in sizes if graphs.capture(*self._kept_views(n))]
+        self.build_graphs = graphs if done else None
+        _log_info("DDTree: the tree build's own graphs: %s (%s)",
+                  f"captured for {done}" if done else "none", BUILD_GRAPHS_ENV)
 
     @contextmanager
     def _chain_arm(self):
@@ -188,13 +208,17 @@ class DDTreeSpeculator(DFlashSpeculator):
         """This step's kept top-K logits and token ids [N, L, K] and lse [N, L]
         (synthetic distributions for profile prompts when ``store``)."""
         n = batch.num_reqs
-        L, k = self.num_speculative_steps, self.topk
-        vals = self._top_vals[: n * L].view(n, L, k)
-        idx = self._top_idx[: n * L].view(n, L, k)
-        lse = self._lse[: n * L].view(n, L)
+        vals, idx, lse = self._kept_views(n)
         if self.synthetic is not None and store:
             self._synthetic(batch, vals, idx, lse)
         return vals, idx, lse
+
+    def _kept_views(self, n: int):
+        """The kept top-K buffers of n requests: [n, L, K] values and ids, [n, L] lse
+        (fixed addresses per n: the build's graphs read them)."""
+        L, k = self.num_speculative_steps, self.topk
+        return (self._top_vals[: n * L].view(n, L, k), self._top_idx[: n * L].view(n, L, k),
+                self._lse[: n * L].view(n, L))
 
     def build_trees(self, batch, store: bool, want: int | None = None) -> torch.Tensor:
         """The [N, B] draft tokens: trees in pop order, stored by slot unless ``store``
@@ -203,7 +227,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         vals, idx, lse = self.kept(batch, store)
         if want is not None and 0 < want <= self.chain_budget:
             return chain_tokens(idx, want, self.ddtree_budget)
-        tree = build_tree_from_topk(vals, idx, self.ddtree_budget, self.ddtree_budget, lse)
+        if self.build_graphs is not None:  # replays where captured for these buffers
+            tree = self.build_graphs(vals, idx, lse)
+        else:
+            tree = build_tree_from_topk(vals, idx, self.ddtree_budget, self.ddtree_budget,
+                                        lse)
         if store:
             self.trees.store(batch.idx_mapping, tree)
             if self.expect is not None:  # the top-1 chain, to measure it on this tree
@@ -248,3 +276,12 @@ def chain_tokens(idx: torch.Tensor, k: int, width: int) -> torch.Tensor:
     out = torch.full((idx.shape[0], width), -1, dtype=torch.int64, device=idx.device)
     out[:, :k] = idx[:, :k, 0]
     return out
+
+
+def _log_info(*args) -> None:
+    try:
+        from vllm.logger import init_logger
+
+        init_logger(__name__).info(*args)
+    except Exception:  # noqa: BLE001  (logging only)
+        pass
