@@ -596,20 +596,26 @@ def test_paired_counts_shorten_the_calibration(monkeypatch):
     assert ex.pending and ex.sums[1].tolist()[:4] == [2, 1, 2, 1]  # copied, not faded
 
 
-@pytest.mark.parametrize("extra", [0.0, 0.3, 6.0])
-def test_a_switch_is_priced_and_held_longer_when_it_costs(extra, monkeypatch):
+@pytest.mark.parametrize("extra,first", [(0.0, 0.0), (0.3, 0.3), (6.0, 6.0), (0.0, 50.0)])
+def test_a_switch_is_priced_and_held_longer_when_it_costs(extra, first, monkeypatch):
     """The first step after a switch is not an arm step (its interval may hold the other
     arm's tail); its excess over the new arm's median step is reported as switch_ms,
-    and a choice holds long enough that a switch costs at most SWITCH_SHARE of it."""
+    and a choice holds long enough that a switch costs at most SWITCH_SHARE of it.  The
+    median of the recent switches: one slow switch (``first``) changes nothing."""
     monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
     lookup = arms.ArmLookup([0, TREE], CHAIN)
     clock = [0.0]
     lookup.clock = lambda: clock[0]
-    cost, k, prev, seen = {TREE: 8.0, CHAIN: 7.0}, lookup[1], None, []
+    cost, k, prev, seen, switches = {TREE: 8.0, CHAIN: 7.0}, lookup[1], None, [], 0
     for _ in range(400):
         nxt = lookup[1]
-        clock[0] += cost[k] + (extra if prev is not None and k != prev else 0.0)
+        clock[0] += cost[k]
+        if prev is not None and k != prev:
+            switches += 1
+            clock[0] += first if switches == 2 else extra  # 2: the first one measured
         lookup.observe(*out({"r": 1 + k}, {"r": k}, [2]))
+        if switches == 2 and k != prev:  # the slow one was measured
+            assert max(lookup.switches[1][1]) == pytest.approx(first, abs=1e-6)
         prev, k = k, nxt
         seen.append(k)
     st = lookup.summary()[1]

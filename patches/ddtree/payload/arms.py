@@ -158,7 +158,7 @@ class ArmLookup(list):
         self._last = None  # clock at the previous output, when that step was a decode
         self._logged = clock()
         self._width: dict[int, int] = {}  # batch size -> drafts of its last decode step
-        # batch size -> [switches measured, sum of their first steps' excess seconds]
+        # batch size -> [switches measured, the last RECENT first steps' excess seconds]
         self.switches: dict[int, list] = {}
         EXPECTED.clear()  # a new engine: nothing of an earlier one's drafter
         SPREAD.clear()
@@ -207,12 +207,18 @@ class ArmLookup(list):
     def _window(self, n: int) -> int:
         """Steps a choice holds: WINDOW, or as many as make a measured switch cost at
         most SWITCH_SHARE of them (up to 4 x WINDOW)."""
-        count, excess = self.switches.get(n, (0, 0.0))
+        excess = self.switch_s(n)
         steps = [self.stats[(n, k)].step_s for k in self.arms[n]]
-        if count < 2 or excess <= 0 or min(steps) <= 0:
+        if excess is None or excess <= 0 or min(steps) <= 0:
             return self.window
-        per = excess / count / (SWITCH_SHARE * min(steps))
+        per = excess / (SWITCH_SHARE * min(steps))
         return max(self.window, min(4 * self.window, math.ceil(per)))
+
+    def switch_s(self, n: int) -> float | None:
+        """What a switch costs at batch size n beyond the new arm's step (median of the
+        last RECENT measured; robust to one slow step), None before 2 are measured."""
+        sw = self.switches.get(n)
+        return statistics.median(sw[1]) if sw and len(sw[1]) >= 2 else None
 
     def rates(self, n: int) -> dict[int, float]:
         """Tokens/s per arm at batch size n: the worker's expected tokens per step over
@@ -276,9 +282,9 @@ class ArmLookup(list):
             return
         if switched:  # the first step after a switch may hold the other arm's tail: not
             if arm.recent:  # an arm step, but its excess over the arm's median is kept
-                sw = self.switches.setdefault(n, [0, 0.0])
+                sw = self.switches.setdefault(n, [0, deque(maxlen=RECENT)])
                 sw[0] += 1
-                sw[1] += (now - last) - arm.step_s
+                sw[1].append((now - last) - arm.step_s)
             return
         sampled = model_runner_output.sampled_token_ids or []
         arm.add(sum(len(x) for x in sampled), now - last)
@@ -290,7 +296,8 @@ class ArmLookup(list):
         """Per tree batch size: each arm's measured tokens/s and ms per step, steps
         seen, times chosen, and (when published) the expected tokens per step, the
         tree's "edge" in standard errors, the measured "switches" with the mean excess
-        of a switch's first step over the new arm's median ("switch_ms"), and under
+        of a switch's first step over the new arm's median ("switch_ms", median of
+        the last RECENT), and under
         "subtrees" the tokens of smaller trees priced on the same steps."""
         out = {}
         for n, ks in self.arms.items():
@@ -304,10 +311,9 @@ class ArmLookup(list):
             edge = self.edge(n)
             if edge is not None:
                 out[n]["edge"] = round(max(-99.0, min(99.0, edge)), 2)
-            if n in self.switches:  # what a switch costs beyond the new arm's step
-                count, excess = self.switches[n]
-                out[n]["switches"] = count
-                out[n]["switch_ms"] = round(1e3 * excess / count, 3)
+            if self.switch_s(n) is not None:  # a switch's cost beyond the new arm's step
+                out[n]["switches"] = self.switches[n][0]
+                out[n]["switch_ms"] = round(1e3 * self.switch_s(n), 3)
             if n in SUBTREES:
                 out[n]["subtrees"] = {b: round(v, 3) for b, v in SUBTREES[n].items()}
         return out
