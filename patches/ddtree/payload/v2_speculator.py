@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 from contextlib import contextmanager
 
 import torch
 
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
-
-import os
 
 from . import v2_chain_graphs
 from .core import build_tree_from_topk
