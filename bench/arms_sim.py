@@ -11,10 +11,9 @@ Each profile is a calibrated synthetic drafter (the true token at a rank drawn f
 profile; tests/gpu/test_arms.py's _tree_step) with L = 15, B = 64, C = 15.  A step of
 the simulated engine verifies the arm the lookup chose one step earlier (async
 scheduling), takes that arm's time (+-2 %) and emits its real accepted length; a tree
-step feeds the worker half (both arms' counts).  One request per step (at 2 requests
-the step times are 2's; the choice then sees half the rows a real step would give it,
-so this side is pessimistic).  Speed here is tokens per simulated ms: what it measures
-is the choice's cost (calibration, exploration, wrong calls), not the GPU.
+step feeds the worker half (both arms' counts) one row per request.  Speed here is
+tokens per simulated ms: what it measures is the choice's cost (calibration,
+exploration, wrong calls), not the GPU.
 """
 
 import argparse
@@ -42,36 +41,37 @@ STEP_MS = {1: (8.4, 6.96), 2: (10.0, 7.13)}
 
 
 def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None,
-         switch_ms: float = 0.0):
-    """(tokens per ms, share of tree steps) of the choice over ``steps`` steps, or of
-    always the arm ``fixed`` (B or C) on the same rows and times; ``switch_ms`` is
-    added to a step whose arm differs from the step before."""
+         switch_ms: float = 0.0, reqs: int = 1):
+    """(tokens per ms, share of tree steps) of the choice over ``steps`` steps of
+    ``reqs`` requests, or of always the arm ``fixed`` (B or C) on the same rows and
+    times; ``switch_ms`` is added to a step whose arm differs from the step before."""
     vals, idx, lse, walk, hits = pool
     tree_acc, chain_acc = walk.num_accepted, hits[:, :C].sum(1)
-    ex = v2_arms.ArmExpect([1], C, L, max_reqs=1, device="cpu")
-    lookup = arms.ArmLookup([0, B], C)
+    ex = v2_arms.ArmExpect([reqs], C, L, max_reqs=reqs, device="cpu")
+    lookup = arms.ArmLookup([0] + [B] * reqs, C)
     clock = [0.0]
     lookup.clock = lambda: clock[0] / 1000
-    one, valid = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool)
+    slots, valid = torch.arange(reqs), torch.ones(reqs, dtype=torch.bool)
+    names = [f"r{i}" for i in range(reqs)]
     rng = random.Random(seed)
-    k, tokens, ms, trees = lookup[1], 0, 0.0, 0
+    k, tokens, ms, trees = lookup[reqs], 0, 0.0, 0
     prev = k
     for _ in range(steps):
-        j = rng.randrange(tree_acc.numel())
-        nxt = lookup[1]
+        j = torch.tensor([rng.randrange(tree_acc.numel()) for _ in range(reqs)])
+        nxt = lookup[reqs]
         if fixed:
             k = nxt = fixed
         if k == B:
-            ex.draft(vals[j:j + 1], idx[j:j + 1], lse[j:j + 1], one)
-            ex.verified(1, one, walk.output_tokens[j:j + 1], tree_acc[j:j + 1], valid)
-            emitted, dt, trees = 1 + int(tree_acc[j]), ms_tree, trees + 1
+            ex.draft(vals[j], idx[j], lse[j], slots)
+            ex.verified(reqs, slots, walk.output_tokens[j], tree_acc[j], valid)
+            emitted, dt, trees = (1 + tree_acc[j]).tolist(), ms_tree, trees + 1
         else:
-            emitted, dt = 1 + int(chain_acc[j]), ms_chain
+            emitted, dt = (1 + chain_acc[j]).tolist(), ms_chain
         dt = dt * rng.uniform(0.98, 1.02) + (switch_ms if k != prev else 0.0)
         prev = k
         clock[0] += dt
-        tokens, ms = tokens + emitted, ms + dt
-        lookup.observe(*out({"r": 1 + k}, {"r": k}, [emitted]))
+        tokens, ms = tokens + sum(emitted), ms + dt
+        lookup.observe(*out({r: 1 + k for r in names}, {r: k for r in names}, emitted))
         k = nxt
     return tokens / ms, trees / steps
 
@@ -100,9 +100,10 @@ def main() -> None:
             for s in lens:  # each seed: the same rows for the choice and both arms
                 got, chain, best, share = [], [], [], []
                 for seed in range(a.seeds):
-                    g, sh = play(pool, s, seed, mt, mc, switch_ms=a.switch_ms)
-                    c = play(pool, s, seed, mt, mc, fixed=C)[0]
-                    t = play(pool, s, seed, mt, mc, fixed=B)[0]
+                    r = n if isinstance(n, int) else 1
+                    g, sh = play(pool, s, seed, mt, mc, switch_ms=a.switch_ms, reqs=r)
+                    c = play(pool, s, seed, mt, mc, fixed=C, reqs=r)[0]
+                    t = play(pool, s, seed, mt, mc, fixed=B, reqs=r)[0]
                     got.append(g), chain.append(c), best.append(max(c, t)), share.append(sh)
                 m = statistics.mean
                 cells.append(f"{m(got) / m(chain):.3f}, {m(got) / m(best):.3f}, "

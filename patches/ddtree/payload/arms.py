@@ -33,7 +33,7 @@ tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of another run
 ms; the cause was not found).  That first step's excess over the new arm's median is
 the switch's cost (summary: switch_ms); where it is positive a choice holds long
 enough that a switch costs at most SWITCH_SHARE of its steps (simulated with 5 ms a
-switch, bench/arms_sim.py: 0.966-0.971 -> 0.976-0.980 of the chain where the chain
+switch, bench/arms_sim.py: 0.964-0.968 -> 0.977-0.981 of the chain where the chain
 wins).  VLLM_DDTREE_ARMS="window,explore" overrides WINDOW and EXPLORE (tests); a bad
 value is refused at engine configuration.
 """
