@@ -19,13 +19,14 @@ first b nodes in pop order (a subtree, parents first), and its walk would have s
 where the accepted path leaves it.  For ``subtrees`` (b > C) those counts are published
 too (``arms.SUBTREES``, reported only: the choice plays B or C).
 
-Sums per batch size stay on the device (no host sync); every PUBLISH measured steps
-they are copied to pinned memory without a sync and published, one period later, to
+Sums per batch size stay on the device (no host sync); after each of the first PUBLISH
+tree steps and then every PUBLISH-th they are copied to pinned memory without a sync
+and published, at the next tree step whose copy has landed, to
 ``arms.EXPECTED`` (tokens per request-step, bonus included), which the scheduler's
 ArmLookup divides by its measured step times, with the paired spread of the two counts
-(``arms.SPREAD``): the tree is played only where its edge clears its error bar.  One process only (the scheduler and
-this worker share ``arms``: vLLM's in-process executor, TP = 1); elsewhere the
-scheduler falls back to measured tokens.
+(``arms.SPREAD``): the tree is played only where its edge clears its error bar.  One
+process only (the scheduler and this worker share ``arms``: vLLM's in-process executor,
+TP = 1); elsewhere the scheduler falls back to measured tokens.
 """
 
 from __future__ import annotations
