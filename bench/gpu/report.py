@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 
@@ -151,6 +152,55 @@ def arms_table(runs: list) -> str:
                                f"{chain['steps']} | {fmt(tree['ms'])} / {fmt(chain['ms'])} | "
                                f"{fmt(tree['expected'])} / {fmt(chain['expected'])} | "
                                f"{fmt(a.get('edge'))} | {sw} | {subs or '-'} |")
+    return "\n".join(out)
+
+
+def timeline_stats(timeline: list) -> dict | None:
+    """From step_bench's per-step timeline ([requests, tokens, decode width, wall ms]) of
+    one cell: pure decode steps by width (the widest of two widths is the tree),
+    each arm's steady wall (median over steps that follow a step of the same width),
+    the walls of the steps that follow a switch, the first 3 tree steps, and what all
+    steps cost beyond their arm's steady wall (ms, and % of the cell's decode time)."""
+    dec = [(k, w) for _, _, k, w in timeline if k and w is not None]
+    if not dec:
+        return None
+    widths = sorted({k for k, _ in dec})
+    tree = widths[-1] if len(widths) > 1 else None
+    steady = {k: _median([w for (a, w), (b, _) in zip(dec[1:], dec) if a == b == k])
+              for k in widths}
+    after = {k: [w for (a, w), (b, _) in zip(dec[1:], dec) if a == k and b != k]
+             for k in widths}
+    excess = sum(w - (steady[k] or w) for k, w in dec)
+    total = sum(w for _, w in dec)
+    return {"widths": widths, "tree": tree,
+            "steps": {k: sum(1 for a, _ in dec if a == k) for k in widths},
+            "steady_ms": steady,
+            "after_switch_ms": {k: (round(statistics.fmean(v), 3) if v else None, len(v))
+                                for k, v in after.items()},
+            "first_tree_ms": round(statistics.fmean([w for k, w in dec if k == tree][:3]), 3)
+            if tree is not None else None,
+            "excess_ms": round(excess, 3),
+            "excess_pct": round(100 * excess / total, 2) if total else None}
+
+
+def timeline_table(runs: list) -> str:
+    """Per e2e cell of a config with two widths (the choice): where the time went."""
+    out = ["| round | config | cell | steps tree / chain | steady ms tree / chain | "
+           "after a switch: into tree / into chain (n) | first 3 tree steps ms | "
+           "beyond steady: ms (% of the cell) |",
+           "| ---: | --- | --- | --- | --- | --- | ---: | --- |"]
+    for i, run in enumerate(runs, 1):
+        for name, v in run.items():
+            for cell, e in sorted(v.get("e2e", {}).items()):
+                st = timeline_stats(e.get("timeline") or [])
+                if not st or st["tree"] is None:
+                    continue
+                t, c = st["tree"], st["widths"][0]
+                (ti, tn), (ci, cn) = st["after_switch_ms"][t], st["after_switch_ms"][c]
+                out.append(f"| {i} | {name} | {cell} | {st['steps'][t]} / {st['steps'][c]} | "
+                           f"{fmt(st['steady_ms'][t])} / {fmt(st['steady_ms'][c])} | "
+                           f"{fmt(ti)} / {fmt(ci)} ({tn} / {cn}) | {fmt(st['first_tree_ms'])} | "
+                           f"{fmt(st['excess_ms'], 1)} ({fmt(st['excess_pct'], 1)}) |")
     return "\n".join(out)
 
 
@@ -314,6 +364,8 @@ def main():
         print(e2e_repeat_table(rounds))
         print("\n### V2, repeated: the tree-vs-chain choice per cell\n")
         print(arms_table(rounds))
+        print("\n### V2, repeated: where a cell's time went (step timeline)\n")
+        print(timeline_table(rounds))
     if kb:
         print("\n### Tree kernel vs FA3\n")
         print(kernel_table(kb))

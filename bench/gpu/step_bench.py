@@ -173,6 +173,19 @@ def engine(spec: dict, **llm_kw):
     return LLM(**kw, **llm_kw)
 
 
+def decode_width(scheduler_output):
+    """k when every scheduled request verifies k drafts (1 + k tokens each), else None
+    (a prefill chunk, a mixed step, no drafts)."""
+    try:
+        sched = scheduler_output.num_scheduled_tokens
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        ks = {len(drafts.get(r) or ()) for r in sched}
+        k = ks.pop() if len(ks) == 1 else 0
+        return k if k and all(n == 1 + k for n in sched.values()) else None
+    except Exception:  # noqa: BLE001  (a diagnostic only)
+        return None
+
+
 class Hooks:
     """CUDA-event spans of the step phases + wall time per step (no extra syncs)."""
 
@@ -188,6 +201,7 @@ class Hooks:
                 self.cur = {"t": time.perf_counter(),
                             "tokens": scheduler_output.total_num_scheduled_tokens,
                             "reqs": len(scheduler_output.num_scheduled_tokens),
+                            "width": decode_width(scheduler_output),
                             "ev": {}, "cpu": {}}
                 self.steps.append(self.cur)
                 return orig(scheduler_output, *a, **k)
@@ -268,6 +282,15 @@ class Hooks:
             out["wall_mean"] = round(statistics.fmean(walls), 4)
             out["wall_max"] = round(max(walls), 4)
         return out
+
+    def timeline(self) -> list:
+        """[requests, scheduled tokens, decode width (None: not a pure decode step), wall
+        ms to the next step's start (None: the last step)] per step of the last run, for
+        what medians hide: switches of width, slow first steps."""
+        st = self.steps
+        return [[s["reqs"], s["tokens"], s["width"],
+                 round((st[i + 1]["t"] - s["t"]) * 1e3, 3) if i + 1 < len(st) else None]
+                for i, s in enumerate(st)]
 
     def summary(self, verify_tokens: int) -> dict:
         torch.cuda.synchronize()
@@ -514,6 +537,7 @@ def run_config(name, out_dir, res):
                  "tau": (toks_out - n) / active if active else None,
                  "mismatches_vs_pi_chain": bad}
             e["phases_ms"] = hooks.phase_medians(dec)
+            e["timeline"] = hooks.timeline()
             arms = C.arms_of(llm)
             if arms is not None:  # what the controller measured and chose (warm-up too)
                 e["arms"] = {str(k): v for k, v in arms.summary().items()}

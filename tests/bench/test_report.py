@@ -1,6 +1,8 @@
 """bench/gpu/report.py's tables from repeated rounds (the v2repeat stage): per config the
 rounds, each round's ratio to the same round's chain, and the medians."""
 
+from types import SimpleNamespace
+
 from .conftest import load_bench
 
 
@@ -47,3 +49,33 @@ def test_the_choice_table_lists_both_arms_and_the_smaller_trees():
                     "3.40 / 2.30 | 3.20 | 1.25 (5) | 32: 3.2, 16: 2.9 |"]
     del arm["edge"], arm["switches"]  # before the error bar, before a measured switch
     assert "| 3.40 / 2.30 | - | - | 32" in r.arms_table([run])
+
+
+def test_the_timeline_shows_what_switches_and_first_steps_cost():
+    r = _report()
+    sb = load_bench("step_bench")
+    so = SimpleNamespace(num_scheduled_tokens={"a": 16, "b": 16},
+                         scheduled_spec_decode_tokens={"a": [1] * 15, "b": [2] * 15})
+    assert sb.decode_width(so) == 15
+    so.num_scheduled_tokens["b"] = 40  # a prefill chunk in the step
+    assert sb.decode_width(so) is None
+    assert sb.decode_width(SimpleNamespace()) is None
+    # one request: prefill (11 tokens), tree steps (65 tokens), chain steps (16 tokens)
+    tl = [[1, 11, None, 30.0], [1, 65, 64, 12.0], [1, 65, 64, 8.0], [1, 65, 64, 8.0],
+          [1, 16, 15, 9.0], [1, 16, 15, 7.0], [1, 16, 15, 7.0], [1, 65, 64, 10.0],
+          [1, 65, 64, 8.0], [1, 16, 15, None]]
+    st = r.timeline_stats(tl)
+    assert st["widths"] == [15, 64] and st["tree"] == 64
+    assert st["steps"] == {15: 3, 64: 5}  # the prefill and the last step (no wall) out
+    assert st["steady_ms"] == {15: 7.0, 64: 8.0}
+    assert st["after_switch_ms"] == {15: (9.0, 1), 64: (10.0, 1)}
+    assert st["first_tree_ms"] == round((12 + 8 + 8) / 3, 3)
+    assert st["excess_ms"] == 4 + 2 + 2  # 12 vs 8, 9 vs 7, 10 vs 8
+    assert st["excess_pct"] == round(100 * 8 / 69, 2)  # of 69 ms of decode steps
+    run = {"ddtree64autoasync": {"e2e": {"p80_N1": {"timeline": tl}}},
+           "chain15async": {"e2e": {"p80_N1": {"timeline": [[1, 16, 15, 7.0],
+                                                             [1, 16, 15, None]]}}}}
+    rows = [x for x in r.timeline_table([run]).splitlines() if x.startswith("| 1 |")]
+    assert rows == ["| 1 | ddtree64autoasync | p80_N1 | 5 / 3 | 8.00 / 7.00 | "
+                    "10.00 / 9.00 (1 / 1) | 9.33 | 8.0 (11.6) |"]  # one width: no row
+    assert r.timeline_stats([[1, 11, None, 3.0]]) is None
