@@ -124,6 +124,14 @@ def e2e_table(sb) -> str:
     return "\n".join(out)
 
 
+def _cells(runs: list):
+    """(round, config, cell, its e2e record) of every e2e cell of every round."""
+    for i, run in enumerate(runs, 1):
+        for name, v in run.items():
+            for cell, e in sorted(v.get("e2e", {}).items()):
+                yield i, name, cell, e
+
+
 def arms_table(runs: list) -> str:
     """The tree-vs-chain choice per e2e cell and batch size (step_bench's ``arms``):
     steps played per arm, ms per step, tokens per step of each arm measured on the same
@@ -134,24 +142,21 @@ def arms_table(runs: list) -> str:
            "tokens tree / chain | edge | switch ms (switches) | "
            "smaller trees (b: tokens) |",
            "| ---: | --- | --- | ---: | --- | --- | --- | ---: | ---: | --- |"]
-    for i, run in enumerate(runs, 1):
-        for name, v in run.items():
-            for cell, e in sorted(v.get("e2e", {}).items()):
-                n_cell = cell.rsplit("_N", 1)[1]
-                for n, a in sorted((e.get("arms") or {}).items()):
-                    if n != n_cell and int(n) > int(n_cell):
-                        continue  # batch sizes the cell never ran
-                    tree = next((x for k, x in a.items() if k.startswith("tree")), None)
-                    chain = next((x for k, x in a.items() if k.startswith("chain")), None)
-                    if not tree or not chain or not (tree["steps"] or chain["steps"]):
-                        continue
-                    subs = ", ".join(f"{b}: {t}" for b, t in (a.get("subtrees") or {}).items())
-                    sw = f"{fmt(a['switch_ms'])} ({a['switches']})" if a.get("switches") \
-                        else "-"
-                    out.append(f"| {i} | {name} | {cell} | {n} | {tree['steps']} / "
-                               f"{chain['steps']} | {fmt(tree['ms'])} / {fmt(chain['ms'])} | "
-                               f"{fmt(tree['expected'])} / {fmt(chain['expected'])} | "
-                               f"{fmt(a.get('edge'))} | {sw} | {subs or '-'} |")
+    for i, name, cell, e in _cells(runs):
+        n_cell = cell.rsplit("_N", 1)[1]
+        for n, a in sorted((e.get("arms") or {}).items()):
+            if n != n_cell and int(n) > int(n_cell):
+                continue  # batch sizes the cell never ran
+            tree = next((x for k, x in a.items() if k.startswith("tree")), None)
+            chain = next((x for k, x in a.items() if k.startswith("chain")), None)
+            if not tree or not chain or not (tree["steps"] or chain["steps"]):
+                continue
+            subs = ", ".join(f"{b}: {t}" for b, t in (a.get("subtrees") or {}).items())
+            sw = f"{fmt(a['switch_ms'])} ({a['switches']})" if a.get("switches") else "-"
+            out.append(f"| {i} | {name} | {cell} | {n} | {tree['steps']} / "
+                       f"{chain['steps']} | {fmt(tree['ms'])} / {fmt(chain['ms'])} | "
+                       f"{fmt(tree['expected'])} / {fmt(chain['expected'])} | "
+                       f"{fmt(a.get('edge'))} | {sw} | {subs or '-'} |")
     return "\n".join(out)
 
 
@@ -189,18 +194,16 @@ def timeline_table(runs: list) -> str:
            "after a switch: into tree / into chain (n) | first 3 tree steps ms | "
            "beyond steady: ms (% of the cell) |",
            "| ---: | --- | --- | --- | --- | --- | ---: | --- |"]
-    for i, run in enumerate(runs, 1):
-        for name, v in run.items():
-            for cell, e in sorted(v.get("e2e", {}).items()):
-                st = timeline_stats(e.get("timeline") or [])
-                if not st or st["tree"] is None:
-                    continue
-                t, c = st["tree"], st["widths"][0]
-                (ti, tn), (ci, cn) = st["after_switch_ms"][t], st["after_switch_ms"][c]
-                out.append(f"| {i} | {name} | {cell} | {st['steps'][t]} / {st['steps'][c]} | "
-                           f"{fmt(st['steady_ms'][t])} / {fmt(st['steady_ms'][c])} | "
-                           f"{fmt(ti)} / {fmt(ci)} ({tn} / {cn}) | {fmt(st['first_tree_ms'])} | "
-                           f"{fmt(st['excess_ms'], 1)} ({fmt(st['excess_pct'], 1)}) |")
+    for i, name, cell, e in _cells(runs):
+        st = timeline_stats(e.get("timeline") or [])
+        if not st or st["tree"] is None:
+            continue
+        t, c = st["tree"], st["widths"][0]
+        (ti, tn), (ci, cn) = st["after_switch_ms"][t], st["after_switch_ms"][c]
+        out.append(f"| {i} | {name} | {cell} | {st['steps'][t]} / {st['steps'][c]} | "
+                   f"{fmt(st['steady_ms'][t])} / {fmt(st['steady_ms'][c])} | "
+                   f"{fmt(ti)} / {fmt(ci)} ({tn} / {cn}) | {fmt(st['first_tree_ms'])} | "
+                   f"{fmt(st['excess_ms'], 1)} ({fmt(st['excess_pct'], 1)}) |")
     return "\n".join(out)
 
 
