@@ -627,3 +627,7 @@ def test_a_switch_is_priced_and_held_longer_when_it_costs(extra, first, monkeypa
     assert lookup._window(1) == want and want == (9 if extra > 1 else arms.WINDOW)
     runs = [len(list(g)) for _, g in itertools.groupby(seen[200:])][1:-1]
     assert runs and all(r >= want for r in runs), runs  # whole choices between switches
+    monkeypatch.setenv("VLLM_DDTREE_ARMS", "1,2")  # a pinned window stays as given
+    pinned = arms.ArmLookup([0, TREE], CHAIN)
+    pinned.stats, pinned.switches = lookup.stats, lookup.switches
+    assert pinned._window(1) == 1

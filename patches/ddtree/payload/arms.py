@@ -34,8 +34,8 @@ ms; the cause was not found).  That first step's excess over the new arm's media
 the switch's cost (summary: switch_ms); where it is positive a choice holds long
 enough that a switch costs at most SWITCH_SHARE of its steps (simulated with 5 ms a
 switch, bench/arms_sim.py: 0.964-0.968 -> 0.977-0.981 of the chain where the chain
-wins).  VLLM_DDTREE_ARMS="window,explore" overrides WINDOW and EXPLORE (tests); a bad
-value is refused at engine configuration.
+wins).  VLLM_DDTREE_ARMS="window,explore" overrides WINDOW and EXPLORE and pins the
+window (tests); a bad value is refused at engine configuration.
 """
 
 from __future__ import annotations
@@ -146,6 +146,8 @@ class ArmLookup(list):
         super().__init__(lookup)
         self.chain = chain
         self.window, self.explore = _knobs()
+        # VLLM_DDTREE_ARMS pins the window (tests that switch at every step keep doing so)
+        self.pinned = bool(os.environ.get("VLLM_DDTREE_ARMS", "").strip())
         self.clock = clock
         # batch size -> (tree drafts, chain drafts), for the sizes whose budget is a tree
         self.arms = {n: (k, chain) for n, k in enumerate(lookup) if n and k > chain >= 1}
@@ -206,10 +208,10 @@ class ArmLookup(list):
 
     def _window(self, n: int) -> int:
         """Steps a choice holds: WINDOW, or as many as make a measured switch cost at
-        most SWITCH_SHARE of them (up to 4 x WINDOW)."""
+        most SWITCH_SHARE of them (up to 4 x WINDOW); VLLM_DDTREE_ARMS's, fixed."""
         excess = self.switch_s(n)
         steps = [self.stats[(n, k)].step_s for k in self.arms[n]]
-        if excess is None or excess <= 0 or min(steps) <= 0:
+        if self.pinned or excess is None or excess <= 0 or min(steps) <= 0:
             return self.window
         per = excess / (SWITCH_SHARE * min(steps))
         return max(self.window, min(4 * self.window, math.ceil(per)))
