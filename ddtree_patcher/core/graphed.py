@@ -72,15 +72,23 @@ class GraphedBuild:
 
     def _capture(self, bk, draft):
         x = torch.zeros((bk,) + tuple(draft.shape[1:]), dtype=draft.dtype, device=draft.device)
-        side = torch.cuda.Stream(draft.device)
-        side.wait_stream(torch.cuda.current_stream(draft.device))
-        with torch.cuda.stream(side):  # warm-up: compiles the kernels, caches the tables
-            self._eager(x)
-        torch.cuda.current_stream(draft.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._eager(x)
+        graph, out = capture(self._eager, x)
         return graph, x, out
+
+
+def capture(fn, *args):
+    """(graph, outputs) of ``fn(*args)`` captured in a CUDA graph, after one warm-up
+    call on a side stream (compiles the kernels, caches the tables)."""
+    dev = args[0].device
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        fn(*args)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    return graph, out
 
 
 def _rows(b: Build, n: int) -> Build:
@@ -113,19 +121,27 @@ class TopkTreeGraphs:
                                              x.dtype, x.device) for x in xs)
 
     def capture(self, vals, idx, lse=None) -> bool:
-        """Capture the build for these buffers (their batch size); False off CUDA."""
+        """Capture the build for these buffers (their batch size), then prove it: a
+        probe top-K written into them must give the eager build's tree on replay (the
+        buffers' contents are restored after).  False off CUDA or if the proof fails
+        (nothing kept: that batch size builds eagerly)."""
         if not vals.is_cuda or torch.cuda.is_current_stream_capturing():
             return False
-        side = torch.cuda.Stream(vals.device)
-        side.wait_stream(torch.cuda.current_stream(vals.device))
-        with torch.cuda.stream(side):  # warm-up: compiles the kernels, caches the tables
-            self._eager(vals, idx, lse)
-        torch.cuda.current_stream(vals.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._eager(vals, idx, lse)
-        self.graphs[vals.shape[0]] = (graph, self._sig(vals, idx, lse), out)
-        return True
+        graph, out = capture(self._eager, vals, idx, lse)
+        bufs = [x for x in (vals, idx, lse) if x is not None]
+        saved = [x.clone() for x in bufs]
+        g = torch.Generator(device=vals.device).manual_seed(0)
+        probe = torch.randn(*vals.shape[:2], 2 * vals.shape[2], device=vals.device,
+                            generator=g) * 3
+        for buf, new in zip(bufs, vocab_topk(probe, vals.shape[2], with_lse=lse is not None)):
+            buf.copy_(new)
+        graph.replay()
+        ok = same_tree(out, self._eager(vals, idx, lse))
+        for buf, old in zip(bufs, saved):
+            buf.copy_(old)
+        if ok:
+            self.graphs[vals.shape[0]] = (graph, self._sig(vals, idx, lse), out)
+        return ok
 
     def __call__(self, vals, idx, lse=None) -> DDTree:
         """The tree (outputs stay valid until the next call for this batch size)."""
@@ -135,3 +151,11 @@ class TopkTreeGraphs:
             return self._eager(vals, idx, lse)
         got[0].replay()
         return got[2]
+
+
+def same_tree(a: DDTree, b: DDTree) -> bool:
+    """Every tensor field of two trees equal."""
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in
+               ("tokens", "parents", "depths", "num_nodes", "scores", "position_offsets")) \
+        and (a.ancestor_mask is None) == (b.ancestor_mask is None) and \
+        (a.ancestor_mask is None or torch.equal(a.ancestor_mask, b.ancestor_mask))

@@ -428,3 +428,24 @@ def test_topk_tree_graphs_replay_only_over_their_own_buffers():
             assert got.tokens.data_ptr() == tg.graphs[n][2].tokens.data_ptr()
         else:
             assert n not in tg.graphs
+
+
+def test_topk_tree_graphs_keep_only_a_proven_capture(monkeypatch):
+    """TopkTreeGraphs.capture replays a probe over the buffers and keeps the graph only
+    if it gives the eager build's tree (same_tree); the buffers are restored."""
+    import ddtree_patcher.core.graphed as gr
+
+    L, V, B = 3, 300, 16
+    v, i, s = vocab_topk(torch.randn(2, L, V, device=DEV), B)
+    t = build_tree_from_topk(v, i, B, B, s)
+    assert gr.same_tree(t, build_tree_from_topk(v.clone(), i.clone(), B, B, s.clone()))
+    other = build_tree_from_topk(v, i, B // 2, B, s)
+    assert not gr.same_tree(t, other)
+    if not CUDA:
+        assert gr.TopkTreeGraphs(B).capture(v, i, s) is False
+        return
+    keep = [x.clone() for x in (v, i, s)]
+    monkeypatch.setattr(gr, "same_tree", lambda a, b: False)
+    tg = gr.TopkTreeGraphs(B)
+    assert tg.capture(v, i, s) is False and not tg.graphs
+    assert all(torch.equal(x, y) for x, y in zip((v, i, s), keep))
