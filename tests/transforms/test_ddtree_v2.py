@@ -150,8 +150,13 @@ def test_prepare_attn_marks_only_with_ddtree(pristine, version):
 @pytest.fixture
 def config_module(monkeypatch):
     """payload/config.py importable as vllm.v1.spec_decode.ddtree.config"""
-    for k in ("vllm", "vllm.v1", "vllm.v1.spec_decode", "vllm.v1.spec_decode.ddtree"):
+    for k in ("vllm", "vllm.v1", "vllm.v1.spec_decode"):
         _stub(monkeypatch, k)
+    pkg = importlib.util.spec_from_file_location(  # the payload's own package module
+        "vllm.v1.spec_decode.ddtree", PAYLOAD / "__init__.py",
+        submodule_search_locations=[str(PAYLOAD)])
+    monkeypatch.setitem(sys.modules, pkg.name, importlib.util.module_from_spec(pkg))
+    pkg.loader.exec_module(sys.modules[pkg.name])
     mods = {}
     for name in ("arms", "config"):  # config imports .arms (the controller's knobs)
         spec = importlib.util.spec_from_file_location(f"vllm.v1.spec_decode.ddtree.{name}",

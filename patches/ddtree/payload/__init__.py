@@ -9,3 +9,15 @@ attention, ``runtime`` / ``cpu_attention``), and ``sampler`` walks it (greedy or
 lossless sampling), after which ``runtime`` compacts the accepted path's KV.
 ``core`` is a verbatim copy of ddtree_patcher.core (torch + optional Triton).
 """
+
+
+def log(name: str, msg: str, *args, warn: bool = False) -> None:
+    """One line in vLLM's log (logger ``name``; info, or a warning): logging never fails
+    its caller."""
+    try:
+        from vllm.logger import init_logger
+
+        logger = init_logger(name)
+        (logger.warning if warn else logger.info)(msg, *args)
+    except Exception:  # noqa: BLE001  (logging only)
+        pass

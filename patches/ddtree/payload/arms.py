@@ -46,6 +46,8 @@ import statistics
 import time
 from collections import deque
 
+from . import log
+
 WINDOW = 4
 EXPLORE = 16
 CLEAR = 1.15
@@ -297,10 +299,9 @@ class ArmLookup(list):
     def summary(self) -> dict:
         """Per tree batch size: each arm's measured tokens/s and ms per step, steps
         seen, times chosen, and (when published) the expected tokens per step, the
-        tree's "edge" in standard errors, the measured "switches" with the mean excess
-        of a switch's first step over the new arm's median ("switch_ms", median of
-        the last RECENT), and under
-        "subtrees" the tokens of smaller trees priced on the same steps."""
+        tree's "edge" in standard errors, the measured "switches" and what one costs
+        beyond the new arm's step ("switch_ms": switch_s), and under "subtrees" the
+        tokens of smaller trees priced on the same steps."""
         out = {}
         for n, ks in self.arms.items():
             exp = EXPECTED.get(n, (None, None))
@@ -322,13 +323,7 @@ class ArmLookup(list):
 
 
 def _log(what, warn: bool = False) -> None:
-    try:
-        from vllm.logger import init_logger
-
-        log = init_logger(__name__)
-        (log.warning if warn else log.info)("DDTree tree vs chain by batch size: %s", what)
-    except Exception:  # noqa: BLE001  (logging only)
-        pass
+    log(__name__, "DDTree tree vs chain by batch size: %s", what, warn=warn)
 
 
 def wrap_lookup(scheduler, lookup):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from . import log
+
 METHOD = "ddtree"
 
 # DDTree on vLLM's V2 model runner (0.32/0.33: vllm/v1/worker/gpu/, v2_*.py): on by
@@ -356,13 +358,7 @@ def default_batch_policy(vllm_config, spec) -> None:
         _knobs()
     spec.ddtree_chain_budget = c
     spec.ddtree_budget_control = mode
-    try:
-        from vllm.logger import init_logger
-
-        init_logger(__name__).info(
-            "DDTree: drafts per batch size %s, chain steps for <= %d drafts; %s",
-            spec.num_speculative_tokens_per_batch_size, c,
-            "where the budget is a tree, the tree or the chain by tokens/s "
-            "(ddtree_budget_control='off' keeps it fixed)" if mode == "auto" else "fixed")
-    except Exception:  # noqa: BLE001  (logging only)
-        pass
+    log(__name__, "DDTree: drafts per batch size %s, chain steps for <= %d drafts; %s",
+        spec.num_speculative_tokens_per_batch_size, c,
+        "where the budget is a tree, the tree or the chain by tokens/s "
+        "(ddtree_budget_control='off' keeps it fixed)" if mode == "auto" else "fixed")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+from . import log
+
 ENV = "VLLM_DDTREE_CHAIN_GRAPHS"
 
 
@@ -25,15 +27,9 @@ def enabled() -> bool:
 
 def log_state(mgr) -> None:
     """One log line: what was set up for the chain arm's drafts."""
-    try:
-        from vllm.logger import init_logger
-
-        init_logger(__name__).info(
-            "DDTree: the chain arm's own draft graphs: %s (%s=0 turns them off)",
-            "captured for the tree batch sizes" if mgr is not None
-            else "none (no FULL draft graphs at the tree batch sizes)", ENV)
-    except Exception:  # noqa: BLE001  (logging only)
-        pass
+    log(__name__, "DDTree: the chain arm's own draft graphs: %s (%s=0 turns them off)",
+        "captured for the tree batch sizes" if mgr is not None
+        else "none (no FULL draft graphs at the tree batch sizes)", ENV)
 
 
 def make(spec, sizes):

@@ -31,7 +31,7 @@ import torch
 
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from . import v2_chain_graphs
+from . import log, v2_chain_graphs
 from .core import build_tree_from_topk
 from .core.graphed import TopkTreeGraphs
 from .core.vocab_topk import vocab_topk
@@ -39,7 +39,7 @@ from .v2_step import SlotTrees
 
 _PROPOSE = inspect.signature(DFlashSpeculator.propose)
 BUILD_GRAPHS_ENV = "VLLM_DDTREE_BUILD_GRAPHS"
-BUILD_GRAPHS_MAX = 8  # tree batch sizes up to this get a captured build (=1 knob)
+BUILD_GRAPHS_MAX = 8  # with VLLM_DDTREE_BUILD_GRAPHS=1: tree batch sizes captured
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -166,8 +166,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         sizes = [n for n in self.tree_sizes() if n <= min(BUILD_GRAPHS_MAX, self.max_num_reqs)]
         done = [n for n in sizes if graphs.capture(*self._kept_views(n))]
         self.build_graphs = graphs if done else None
-        _log_info("DDTree: the tree build's own graphs: %s (%s)",
-                  f"captured for {done}" if done else "none", BUILD_GRAPHS_ENV)
+        eager = [n for n in sizes if n not in done]  # off CUDA, or a replay not proven
+        log(__name__, "DDTree: the tree build's own graphs (%s): captured and proven for "
+            "batch sizes %s; eager for %s", BUILD_GRAPHS_ENV, done, eager, warn=bool(eager))
 
     @contextmanager
     def _chain_arm(self):
@@ -276,11 +277,3 @@ def chain_tokens(idx: torch.Tensor, k: int, width: int) -> torch.Tensor:
     out[:, :k] = idx[:, :k, 0]
     return out
 
-
-def _log_info(*args) -> None:
-    try:
-        from vllm.logger import init_logger
-
-        init_logger(__name__).info(*args)
-    except Exception:  # noqa: BLE001  (logging only)
-        pass
