@@ -578,6 +578,17 @@ def _check_build_graphs(spec) -> None:
         (spec._top_vals.data_ptr(), spec._top_idx.data_ptr(), spec._lse.data_ptr())
     spec.capture_builds()
     assert spec.build_graphs is None
+    from vllm.v1.spec_decode.ddtree.core import graphed
+
+    def broken(self, *a):
+        raise RuntimeError("capture failed")
+
+    real, graphed.TopkTreeGraphs.capture = graphed.TopkTreeGraphs.capture, broken
+    try:  # a failing capture: that batch size stays eager, the engine goes on
+        spec.capture_builds()
+    finally:
+        graphed.TopkTreeGraphs.capture = real
+    assert spec.build_graphs is None
 
 
 def _check_chain_arm_graphs(spec) -> None:

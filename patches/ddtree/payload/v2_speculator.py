@@ -164,7 +164,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         kept top-K buffers, instead of its eager launches."""
         graphs = TopkTreeGraphs(self.ddtree_budget)
         sizes = [n for n in self.tree_sizes() if n <= min(BUILD_GRAPHS_MAX, self.max_num_reqs)]
-        done = [n for n in sizes if graphs.capture(*self._kept_views(n))]
+        done = []
+        for n in sizes:
+            try:  # a capture that fails leaves that batch size eager, never the engine down
+                if graphs.capture(*self._kept_views(n)):
+                    done.append(n)
+            except Exception as e:  # noqa: BLE001
+                log(__name__, "DDTree: capturing the tree build for %d requests failed "
+                    "(%r): it stays eager", n, e, warn=True)
         self.build_graphs = graphs if done else None
         eager = [n for n in sizes if n not in done]  # off CUDA, or a replay not proven
         log(__name__, "DDTree: the tree build's own graphs (%s): captured and proven for "
