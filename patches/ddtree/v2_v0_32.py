@@ -1,6 +1,6 @@
 """DDTree hooks for the V2 model runner of vLLM 0.32.0 and 0.33.0 (vllm/v1/worker/gpu/).
 
-Four hooks, each a few lines calling into the added package (v2_speculator.py,
+Each hook is a few lines calling into the added package (v2_speculator.py,
 v2_runtime.py, v2_sampler.py, v2_step.py); all inert unless method='ddtree' runs on the
 V2 runner, which ``v0_32.VLLM_EDIT`` allows on CUDA (VLLM_DDTREE_V2=0/1 overrides;
 payload/config.py: ddtree_v2_enabled):
@@ -15,6 +15,9 @@ payload/config.py: ddtree_v2_enabled):
 * ``DefaultModelState.prepare_attn``: the target's attention metadata of verify steps
   and of every FULL CUDA-graph capture is marked (``md.ddtree``) for the backends'
   tree-attention hooks;
+* ``CudaGraphManager._init_candidates``: the target's FULL decode graphs also for the
+  chain arm's query length (1 + C), which vLLM's schedule may not hold
+  (v2_chain_graphs.target_query_lens);
 * ``Scheduler``: with ddtree_budget_control='auto' on V2, the lookup of drafts per batch
   size becomes an ``ArmLookup`` (arms.py: the tree or the chain, by tokens/s from
   measured step times and both arms' tokens measured on the same tree steps) and every
@@ -31,6 +34,7 @@ SPEC_INIT = "vllm/v1/worker/gpu/spec_decode/__init__.py"
 RUNNER = "vllm/v1/worker/gpu/model_runner.py"
 STATE = "vllm/v1/worker/gpu/model_states/default.py"
 SCHED = "vllm/v1/core/sched/scheduler.py"
+GRAPHS = "vllm/v1/worker/gpu/cudagraph_utils.py"
 PKG = "vllm.v1.spec_decode.ddtree"
 
 SPECULATOR_EDIT = file_edit(SPEC_INIT, [
@@ -89,5 +93,17 @@ SCHEDULER_EDIT = file_edit(SCHED, [
 ], "V2 runner, ddtree_budget_control='auto': the tree or the chain per batch size, "
    "by tokens/s (measured step times, the drafter's expected tokens)")
 
-PROPOSER_EDITS = (SPECULATOR_EDIT, SCHEDULER_EDIT)
+GRAPHS_EDIT = file_edit(GRAPHS, [
+    Step("CudaGraphManager._init_candidates", partial(
+        insert_near, qualname="CudaGraphManager._init_candidates",
+        match=lambda c: c.strip().startswith("decode_query_lens = sorted("),
+        code=f"if getattr(speculative_config, 'ddtree_budget', None) is not None:\n"
+             f"    from {PKG}.v2_chain_graphs import target_query_lens\n\n"
+             f"    decode_query_lens = target_query_lens(\n"
+             f"        self, decode_query_lens, num_new_sampled_tokens_per_step)\n"),
+        "target_query_lens("),
+], "V2 runner, ddtree_budget_control='auto': the target's FULL graphs for chain-arm "
+   "steps at the tree batch sizes")
+
+PROPOSER_EDITS = (SPECULATOR_EDIT, SCHEDULER_EDIT, GRAPHS_EDIT)
 SAMPLER_EDITS = (RUNNER_EDIT, STATE_EDIT)

@@ -565,6 +565,7 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
         spec.load_model(get_model(vllm_config=cfg))
         assert len(spec.draft_attn_layer_names) == 5
         _check_chain_arm_graphs(spec)
+        _check_target_chain_graphs(cfg)
         _check_build_graphs(spec)
     print(OK)
 
@@ -589,6 +590,42 @@ def _check_build_graphs(spec) -> None:
     finally:
         graphed.TopkTreeGraphs.capture = real
     assert spec.build_graphs is None
+
+
+def _check_target_chain_graphs(cfg) -> None:
+    """vLLM's own target graph manager (patched _init_candidates): FULL decode graphs
+    for the chain arm's 1 + C queries at the tree batch sizes, also where the schedule
+    up to max_num_seqs holds no chain (max_num_seqs = 2 of [[1, 2, 8], [3, .., 3]]);
+    the stock lengths without the tree-vs-chain choice."""
+    import torch
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+    cc, sc, sched = cfg.compilation_config, cfg.speculative_config, cfg.scheduler_config
+    assert sc.ddtree_budget_control == "auto" and sc.ddtree_chain_budget == 3
+    was = (cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size, sched.max_num_seqs)
+    cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [4, 8, 9, 18], 18
+    sched.max_num_seqs = 2
+
+    def manager():
+        mgr = ModelCudaGraphManager(cfg, torch.device("cpu"), CUDAGraphMode.FULL_DECODE_ONLY,
+                                    decode_query_len=9)
+        lens = sorted({d.uniform_token_count for ds in mgr._capture_descs.values()
+                       for d in ds})
+        return mgr, lens
+
+    try:
+        mgr, lens = manager()
+        assert lens == [4, 9], lens
+        mgr._graphs_captured = True
+        for n in (1, 2):  # a chain-arm verify step replays a FULL graph, not eager
+            assert mgr.dispatch(n, 4 * n, 4, 0).cg_mode == CUDAGraphMode.FULL
+            assert mgr.dispatch(n, 9 * n, 9, 0).cg_mode == CUDAGraphMode.FULL
+        sc.ddtree_budget_control = "off"
+        assert manager()[1] == [9]
+    finally:
+        sc.ddtree_budget_control = "auto"
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size, sched.max_num_seqs = was
 
 
 def _check_chain_arm_graphs(spec) -> None:

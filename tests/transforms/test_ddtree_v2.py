@@ -33,6 +33,7 @@ HOOKS = {
     v2_v0_32.STATE: ["self.ddtree.mark(input_batch, attn_metadata, for_capture)"],
     v2_v0_32.SCHED: ["self.dynamic_sd_lookup = wrap_lookup(self, self.dynamic_sd_lookup)",
                      "observe(scheduler_output, model_runner_output)"],
+    v2_v0_32.GRAPHS: ["decode_query_lens = target_query_lens("],
 }
 
 
@@ -71,6 +72,7 @@ def test_hooks_land_once_idempotent_and_compile(pristine, tmp_path, dist, versio
     (v2_v0_32.RUNNER_EDIT, "block_tables, slot_mappings = self.prepare_attn(input_batch)"),
     (v2_v0_32.STATE_EDIT, "attn_metadata = build_attn_metadata("),
     (v2_v0_32.SCHEDULER_EDIT, "self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup("),
+    (v2_v0_32.GRAPHS_EDIT, "decode_query_lens = sorted("),
 ])
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
 def test_anchor_missing_or_doubled_fails_closed(pristine, edit, anchor, version):

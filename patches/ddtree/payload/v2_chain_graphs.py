@@ -9,6 +9,12 @@ sizes only, in chain mode (DFlash's sampling, 1 + C context rows per request), a
 chain-arm draft replays those (H200, run 10: a chain step at one request 6.72 ms vs
 DFlash's 6.71, without them 6.81; lossless under FULL graphs).  On by default;
 VLLM_DDTREE_CHAIN_GRAPHS=0 turns them off (the chain arm then replays the tree's).
+
+The target's verify of a chain-arm step (1 + C tokens per request) needs FULL graphs of
+its own too.  vLLM captures uniform decode graphs for the query lengths its per-batch
+schedule holds up to max_num_seqs, so with max_num_seqs <= 2 (or a chain budget that no
+batch size of the schedule uses) none had 1 + C and every chain-arm step ran the target
+eagerly (H200, run 11: 27-45 ms against 6.8).  ``target_query_lens`` adds 1 + C.
 """
 
 from __future__ import annotations
@@ -30,6 +36,20 @@ def log_state(mgr) -> None:
     log(__name__, "DDTree: the chain arm's own draft graphs: %s (%s=0 turns them off)",
         "captured for the tree batch sizes" if mgr is not None
         else "none (no FULL draft graphs at the tree batch sizes)", ENV)
+
+
+def target_query_lens(mgr, lens: list, sampled: int) -> list:
+    """CudaGraphManager._init_candidates hook: the target's uniform decode query lengths
+    ``lens`` plus 1 + C (``sampled`` new tokens per step) when the scheduler may play
+    the chain arm (ddtree_budget_control='auto'); the drafter's managers keep theirs."""
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+    spec = mgr.vllm_config.speculative_config
+    c = getattr(spec, "ddtree_chain_budget", None) or 0
+    if not isinstance(mgr, ModelCudaGraphManager) or c < 1 or \
+            getattr(spec, "ddtree_budget_control", None) != "auto":
+        return lens
+    return sorted(set(lens) | {c + sampled})
 
 
 def make(spec, sizes):
