@@ -31,10 +31,10 @@ with random safetensors written here (draft_load_config: safetensors).
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
     decoding; chain: budget B for 1-2 requests, a
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
-    pinned, DDTree's V2 default: that schedule with chains of min(L, B - 1), and at 1-2
-    requests the tree or the chain by tokens/s, arms.py; the chain arm's own draft graphs
-    follow the default (on) unless nocg (VLLM_DDTREE_CHAIN_GRAPHS=0) or cg (=1); warm:
-    before each timed e2e cell an untimed run of it on other prompts, so the choice is
+    pinned, DDTree's V2 default: B at 1 request, B // 2 at 2, chains of min(L, B - 1)
+    from 3 on, and at 1-2 requests the tree or the chain by tokens/s, arms.py; the chain
+    arm's own draft graphs follow the default (on) unless nocg (VLLM_DDTREE_CHAIN_GRAPHS=0)
+    or cg (=1); warm: before each timed e2e cell an untimed run of it on other prompts, so the choice is
     timed in its steady state instead of its start; bg: the tree build replayed from
     its own CUDA graphs, VLLM_DDTREE_BUILD_GRAPHS=1)
 
@@ -99,11 +99,19 @@ def parse(cfg: str):
         k = int(rest[:-5] if chain else rest[:-4] if auto else rest[:-2] if pb else rest)
         sched = [[1, 1, k], [2, 3, max(1, k // 2)], [4, 1024, max(1, k // 4)]] if pb else \
             [[1, 2, k], [3, 1024, min(L, k)]] if chain else \
-            [[1, 2, k], [3, 1024, min(L, k - 1)]] if auto else None
+            auto_schedule(k, min(L, k - 1)) if auto else None
         return dict(kind="ddtree", k=k, async_sched=asy, per_batch=sched, auto=auto,
                     chain=min(L, k) if chain else min(L, k - 1) if auto else 0, cg=cg,
                     warm=warm, bg=bg)
     raise ValueError(cfg)
+
+
+def auto_schedule(k: int, c: int) -> list:
+    """DDTree's V2 default (payload config.default_schedule, max 1024 requests here):
+    a tree of k at 1 request, of k // 2 at 2 where that exceeds the chain c, c from 3."""
+    if k // 2 > c:
+        return [[1, 1, k], [2, 2, k // 2], [3, 1024, c]]
+    return [[1, 2, k], [3, 1024, c]]
 
 
 def budget_at(spec: dict, n: int) -> int:

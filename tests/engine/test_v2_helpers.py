@@ -516,14 +516,14 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
     refused("or a draft count in 1..3", drafter, chain=-1, VLLM_DDTREE_V2="1")
     assert config(drafter, chain=3, VLLM_DDTREE_V2="1").speculative_config \
         .ddtree_chain_budget == 3
-    # DDTree's V2 default: trees at 1-2 requests, chains of min(L, B - 1) from 3 on,
-    # a schedule vLLM's own lookup reads; 0 keeps B for every batch size
+    # DDTree's V2 default: a tree of B at 1 request, of B // 2 at 2, chains of min(L, B - 1)
+    # from 3 on, a schedule vLLM's own lookup reads; 0 keeps B for every batch size
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
     sc = config(drafter, VLLM_DDTREE_V2="1").speculative_config
     assert sc.ddtree_chain_budget == 3 and sc.uses_dynamic_speculative_decoding()
     assert build_dynamic_sd_schedule_lookup(sc.num_speculative_tokens_per_batch_size, 4,
-                                            8) == [0, 8, 8, 3, 3]
+                                            8) == [0, 8, 4, 3, 3]
     sc = config(drafter, chain=0, VLLM_DDTREE_V2="1").speculative_config
     assert sc.num_speculative_tokens_per_batch_size is None
     assert config(drafter).speculative_config.num_speculative_tokens_per_batch_size is None
@@ -557,9 +557,9 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
         assert spec.num_speculative_steps == 3 and spec.num_query_per_req == 4
         assert spec.draft_tokens.shape == (4, 3) and spec.sample_col.shape == (12,)
         assert spec._top_vals.shape == (12, 8) and spec.trees.parents.shape == (4, 8)
-        assert spec.chain_budget == 3 and spec._budget_at == [8, 8, 8, 3, 3]
+        assert spec.chain_budget == 3 and spec._budget_at == [8, 8, 4, 3, 3]
         assert spec._chain_at == [False, False, False, True, True]
-        assert [spec._num_graph_context_tokens(n) for n in (1, 2, 3, 4)] == [9, 18, 12, 18]
+        assert [spec._num_graph_context_tokens(n) for n in (1, 2, 3, 4)] == [9, 10, 12, 16]
         assert spec.vllm_config.speculative_config is cfg.speculative_config
         assert cfg.speculative_config.num_speculative_tokens == 8  # untouched
         spec.load_model(get_model(vllm_config=cfg))
@@ -595,7 +595,8 @@ def _check_build_graphs(spec) -> None:
 def _check_target_chain_graphs(cfg) -> None:
     """vLLM's own target graph manager (patched _init_candidates): FULL decode graphs
     for the chain arm's 1 + C queries at the tree batch sizes, also where the schedule
-    up to max_num_seqs holds no chain (max_num_seqs = 2 of [[1, 2, 8], [3, .., 3]]);
+    up to max_num_seqs holds no chain (max_num_seqs = 2 of [[1, 1, 8], [2, 2, 4],
+    [3, .., 3]]);
     the stock lengths without the tree-vs-chain choice."""
     import torch
     from vllm.config.compilation import CUDAGraphMode
@@ -616,13 +617,13 @@ def _check_target_chain_graphs(cfg) -> None:
 
     try:
         mgr, lens = manager()
-        assert lens == [4, 9], lens
+        assert lens == [4, 5, 9], lens
         mgr._graphs_captured = True
-        for n in (1, 2):  # a chain-arm verify step replays a FULL graph, not eager
+        for n, k in ((1, 8), (2, 4)):  # a chain-arm step replays a graph, as a tree's
             assert mgr.dispatch(n, 4 * n, 4, 0).cg_mode == CUDAGraphMode.FULL
-            assert mgr.dispatch(n, 9 * n, 9, 0).cg_mode == CUDAGraphMode.FULL
+            assert mgr.dispatch(n, (1 + k) * n, 1 + k, 0).cg_mode == CUDAGraphMode.FULL
         sc.ddtree_budget_control = "off"
-        assert manager()[1] == [9]
+        assert manager()[1] == [5, 9]
     finally:
         sc.ddtree_budget_control = "auto"
         cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size, sched.max_num_seqs = was
@@ -725,7 +726,7 @@ def _check_scheduler_arms(config) -> None:
         s = scheduler(v2_cfg, asynchronous)
         lookup = s.dynamic_sd_lookup
         assert isinstance(lookup, ArmLookup), type(lookup)
-        assert lookup.arms == {1: (8, 3), 2: (8, 3)} and lookup[3] == 3
+        assert lookup.arms == {1: (8, 3), 2: (4, 3)} and lookup[3] == 3
         clock = [0.0]
         lookup.clock = lambda: clock[0]
         s.add_request(Request("r0", list(range(2, 12)), SamplingParams(

@@ -277,7 +277,7 @@ def _engine_cfg(v2=True, **spec):
                            speculative_config=SimpleNamespace(**{**base, **spec}))
 
 
-DEFAULT = [[1, 2, 32], [3, 1 << 16, 7]]
+DEFAULT = [[1, 1, 32], [2, 2, 16], [3, 1 << 16, 7]]
 
 
 @pytest.mark.parametrize("given,want_sched,want_chain,want_control", [
@@ -290,14 +290,15 @@ DEFAULT = [[1, 2, 32], [3, 1 << 16, 7]]
     ({"ddtree_budget_control": "off"}, DEFAULT, 7, "off"),  # the default, fixed
     ({"ddtree_budget_control": "auto"}, DEFAULT, 7, "auto"),
     ({"ddtree_budget_control": "auto", "ddtree_chain_budget": 3},
-     [[1, 2, 32], [3, 1 << 16, 3]], 3, "auto"),
+     [[1, 1, 32], [2, 2, 16], [3, 1 << 16, 3]], 3, "auto"),
+    ({"ddtree_budget": 14}, [[1, 2, 14], [3, 1 << 16, 7]], 7, "auto"),  # B // 2 <= C
     ({"ddtree_budget_control": "auto", "num_speculative_tokens_per_batch_size": [[1, 8, 16]]},
      [[1, 8, 16]], 7, "auto"),                           # the user's, tree vs chain
 ])
 def test_v2_default_budget_per_batch_size(config_module, monkeypatch, given, want_sched,
                                           want_chain, want_control):
-    """On V2 without a schedule DDTree verifies trees at 1-2 requests (played against
-    the chain by the controller) and chains from 3 on; a schedule or chain budget the
+    """On V2 without a schedule DDTree verifies a tree of B at 1 request and of B // 2
+    at 2 (played against the chain by the controller) and chains from 3 on; a schedule or chain budget the
     user set alone is kept as given."""
     sys.modules["vllm"].envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
     monkeypatch.delenv("VLLM_DDTREE_ASYNC", raising=False)

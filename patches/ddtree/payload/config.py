@@ -307,20 +307,27 @@ def refuse_recurrent_target(vllm_config) -> None:
         f"speculation.")
 
 
-# The budget per batch size DDTree sets on the V2 runner when the user set none: trees
-# for batches of up to TREE_MAX_REQS requests, chain steps (the DFlash chain's cost) from
-# there on.  H200, Qwen3-8B shape (bench/RESULTS.md, runs 6-7): a B = 64 step costs
-# 1.16x the chain's at 1 request and 1.6x at 4, while the tree's extra accepted tokens
-# pay for about 1.2x at p80-like acceptance; chain steps cost 1.00-1.01x the chain's.
-TREE_MAX_REQS = 2
+# The budget per batch size DDTree sets on the V2 runner when the user set none: a tree
+# of B at 1 request, of B // 2 each at 2 (the same verified tokens a step as at 1) where
+# that is still longer than the chain, chain steps (the DFlash chain's cost) from there
+# on.  H200, Qwen3-8B shape (bench/RESULTS.md): a B = 64 step costs 1.16-1.18x the
+# chain's at 1 request, 1.34-1.4x at 2 and 1.6x at 4; B = 32 at 2 requests 1.08-1.13x
+# (run 11), which at p60-like acceptance gave 1.32x the chain's tokens/s end to end.
+
+
+def default_schedule(b: int, c: int) -> list:
+    """DDTree's V2 schedule for budget B and chain C: [[lo, hi, drafts], ...]."""
+    if b // 2 > c:
+        return [[1, 1, b], [2, 2, b // 2], [3, 1 << 16, c]]
+    return [[1, 2, b], [3, 1 << 16, c]]
 
 
 def default_batch_policy(vllm_config, spec) -> None:
     """V2 runner: the budget per batch size and the tree-vs-chain controller.
 
-    Nothing set about budgets (DDTree's V2 default): B drafts (a tree) for
-    1..TREE_MAX_REQS requests, a chain of C = min(L, B - 1) drafts from TREE_MAX_REQS + 1
-    on, and ddtree_budget_control='auto': at the tree batch sizes the scheduler plays
+    Nothing set about budgets (DDTree's V2 default): a tree of B drafts at 1 request and
+    of B // 2 at 2 (B at 2 where B // 2 <= C), a chain of C = min(L, B - 1) drafts from
+    3 on (``default_schedule``), and ddtree_budget_control='auto': at the tree batch sizes the scheduler plays
     the tree or the chain, whichever delivers more tokens/s (arms.py).
     'off': that schedule, fixed.  'auto' with the user's schedule: the arms at its batch
     sizes whose budget exceeds C (the user's ddtree_chain_budget, else min(L, B - 1)).
@@ -350,8 +357,7 @@ def default_batch_policy(vllm_config, spec) -> None:
                 f"draft (got ddtree_chain_budget={chain!r}, num_speculative_tokens={b})")
         return  # B = 1: no chain shorter than the tree
     if not sched:
-        spec.num_speculative_tokens_per_batch_size = [[1, TREE_MAX_REQS, b],
-                                                      [TREE_MAX_REQS + 1, 1 << 16, c]]
+        spec.num_speculative_tokens_per_batch_size = default_schedule(b, c)
     if mode == "auto":  # a bad VLLM_DDTREE_ARMS: refused here, not at scheduler start
         from .arms import _knobs
 
