@@ -3,12 +3,13 @@ the real tree build and walk: tokens/s of the choice vs always the chain and vs 
 faster arm (each on the same rows), for short and long runs, at measured step times.
 Prints a table.
 
-    python bench/arms_sim.py                      # run 10's step times, 1 and 2 requests
+    python bench/arms_sim.py                      # run 11's step times, 1 and 2 requests
     python bench/arms_sim.py --tree-ms 9 --chain-ms 7 --seeds 24
     python bench/arms_sim.py --switch-ms 5     # a switch of arms costs 5 ms more
 
 Each profile is a calibrated synthetic drafter (the true token at a rank drawn from the
-profile; tests/gpu/test_arms.py's _tree_step) with L = 15, B = 64, C = 15.  A step of
+profile; tests/gpu/test_arms.py's _tree_step) with L = 15, C = 15 and DDTree's V2
+default tree: B = 64 at 1 request, 32 at 2.  A step of
 the simulated engine verifies the arm the lookup chose one step earlier (async
 scheduling), takes that arm's time (+-2 %) and emits its real accepted length; a tree
 step feeds the worker half (both arms' counts) one row per request.  Speed here is
@@ -36,12 +37,13 @@ v2_arms = payload_module("v2_arms")
 L, V, B, C = 15, 2000, 64, 15
 PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
             "p90": [0.9, 0.05, 0.02], "weak": [0.3, 0.1]}
-# H200, run 10 (bench/RESULTS.md): ms per step, tree of 64 / chain of 15, V2, 0.33.0
-STEP_MS = {1: (8.4, 6.96), 2: (10.0, 7.13)}
+# H200, run 11 d (bench/RESULTS.md): ms per step (timeline medians), tree / chain of 15,
+# and the tree's budget at that batch size, V2, 0.33.0
+STEP_MS = {1: (8.45, 6.95, 64), 2: (8.5, 7.15, 32)}
 
 
 def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None,
-         switch_ms: float = 0.0, reqs: int = 1):
+         switch_ms: float = 0.0, reqs: int = 1, B: int = 64):
     """(tokens per ms, share of tree steps) of the choice over ``steps`` steps of
     ``reqs`` requests, or of always the arm ``fixed`` (B or C) on the same rows and
     times; ``switch_ms`` is added to a step whose arm differs from the step before."""
@@ -85,14 +87,16 @@ def main() -> None:
     ap.add_argument("--switch-ms", type=float, default=0.0,
                     help="added to a step whose arm differs from the step before's")
     a = ap.parse_args()
-    times = {"given": (a.tree_ms, a.chain_ms)} if a.tree_ms and a.chain_ms else STEP_MS
+    times = {"given": (a.tree_ms, a.chain_ms, B)} if a.tree_ms and a.chain_ms else STEP_MS
     lens = [int(x) for x in a.steps.split(",")]
-    pools = {p: _tree_step(3, 1500, L, V, B, probs) for p, probs in PROFILES.items()}
-    print("| requests | ms tree / chain | profile | tree / chain (always) | "
+    pools = {(b, p): _tree_step(3, 1500, L, V, b, probs)
+             for b in sorted({t[2] for t in times.values()}) for p, probs in PROFILES.items()}
+    print("| requests | B | ms tree / chain | profile | tree / chain (always) | "
           + " | ".join(f"{s} steps: / chain, / faster, tree share" for s in lens) + " |")
-    print("| --- | --- | --- | ---: |" + " ---: |" * len(lens))
-    for n, (mt, mc) in times.items():
-        for p, pool in pools.items():
+    print("| --- | ---: | --- | --- | ---: |" + " ---: |" * len(lens))
+    for n, (mt, mc, b) in times.items():
+        for p in PROFILES:
+            pool = pools[(b, p)]
             walk, hits = pool[3], pool[4]
             rate_t = (1 + float(walk.num_accepted.float().mean())) / mt
             rate_c = (1 + float(hits[:, :C].sum(1).float().mean())) / mc
@@ -101,14 +105,14 @@ def main() -> None:
                 got, chain, best, share = [], [], [], []
                 for seed in range(a.seeds):
                     r = n if isinstance(n, int) else 1
-                    g, sh = play(pool, s, seed, mt, mc, switch_ms=a.switch_ms, reqs=r)
-                    c = play(pool, s, seed, mt, mc, fixed=C, reqs=r)[0]
-                    t = play(pool, s, seed, mt, mc, fixed=B, reqs=r)[0]
+                    g, sh = play(pool, s, seed, mt, mc, switch_ms=a.switch_ms, reqs=r, B=b)
+                    c = play(pool, s, seed, mt, mc, fixed=C, reqs=r, B=b)[0]
+                    t = play(pool, s, seed, mt, mc, fixed=b, reqs=r, B=b)[0]
                     got.append(g), chain.append(c), best.append(max(c, t)), share.append(sh)
                 m = statistics.mean
                 cells.append(f"{m(got) / m(chain):.3f}, {m(got) / m(best):.3f}, "
                              f"{m(share):.2f}")
-            print(f"| {n} | {mt} / {mc} | {p} | {rate_t / rate_c:.3f} | "
+            print(f"| {n} | {b} | {mt} / {mc} | {p} | {rate_t / rate_c:.3f} | "
                   + " | ".join(cells) + " |")
 
 
