@@ -66,7 +66,7 @@ sys.path.insert(0, str(HERE.parents[1] / "verify"))
 import common as C  # noqa: E402  (sets the offline / in-process defaults)
 
 N_PROMPTS, MAX_TOKENS = 8, 48
-ROWS = ("ddtree", "ddtree_swa", "ddtree_eager", "ddtree_sync", "ddtree_per_batch",
+ROWS = ("nospec_again", "ddtree", "ddtree_swa", "ddtree_eager", "ddtree_sync", "ddtree_per_batch",
         "ddtree_chain", "ddtree_default", "ddtree_arms", "dflash")
 SWA_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
@@ -347,6 +347,9 @@ def main(argv=None) -> int:
                     help="also DDTree's default budget per batch size on V2")
     ap.add_argument("--arms-row", action="store_true",
                     help="also the tree-vs-chain controller at every batch size")
+    ap.add_argument("--ref-twice", action="store_true",
+                    help="run the no-spec reference twice: a row of its own says whether "
+                         "the reference itself repeats (run 11 e: it did not at a 0.002 gap)")
     a = ap.parse_args(argv)
     a.dtype = a.dtype or ("bfloat16" if a.attn == "FLASH_ATTN" else "float32")
     tie = 1e-3 if a.dtype == "float32" else 0.05
@@ -359,6 +362,8 @@ def main(argv=None) -> int:
     res: dict = {"config": {**vars(a), "tie_gap": tie, "prompts": toks,
                             "max_tokens": MAX_TOKENS}}
     run("nospec", res, out, a, m, toks, "nospec", not a.graphs)
+    if a.ref_twice:  # compared with the first like any row: a reference that moves fails
+        run("nospec_again", res, out, a, m, toks, "nospec", not a.graphs)
     ref = res["nospec"]
     profile = ""
     if "tokens" in ref:

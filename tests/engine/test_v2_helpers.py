@@ -622,8 +622,18 @@ def _check_target_chain_graphs(cfg) -> None:
         for n, k in ((1, 8), (2, 4)):  # a chain-arm step replays a graph, as a tree's
             assert mgr.dispatch(n, 4 * n, 4, 0).cg_mode == CUDAGraphMode.FULL
             assert mgr.dispatch(n, (1 + k) * n, 1 + k, 0).cg_mode == CUDAGraphMode.FULL
+        # the hook itself: the target's manager only (never a drafter's), 1 + C once
+        from vllm.v1.spec_decode.ddtree.v2_chain_graphs import target_query_lens
+        from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
+
+        draft = DFlashCudaGraphManager(cfg, torch.device("cpu"),
+                                       CUDAGraphMode.FULL_DECODE_ONLY, decode_query_len=4)
+        assert target_query_lens(draft, [9], 1) == [9]
+        assert target_query_lens(mgr, [9], 1) == [4, 9]
+        assert target_query_lens(mgr, [4, 9], 1) == [4, 9]
         sc.ddtree_budget_control = "off"
         assert manager()[1] == [5, 9]
+        assert target_query_lens(mgr, [9], 1) == [9]
     finally:
         sc.ddtree_budget_control = "auto"
         cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size, sched.max_num_seqs = was
