@@ -188,12 +188,24 @@ def timeline_stats(timeline: list) -> dict | None:
             "excess_pct": round(100 * excess / total, 2) if total else None}
 
 
+def _chain_steady(run: dict, cell: str) -> float | None:
+    """The steady step (timeline median) of the DFlash chain config's same cell in the
+    same round: what the choice's chain steps should cost."""
+    for name, v in run.items():
+        e = v.get("e2e", {}).get(cell) if name.startswith("chain") else None
+        st = timeline_stats(e.get("timeline") or []) if e else None
+        if st and len(st["widths"]) == 1:
+            return st["steady_ms"][st["widths"][0]]
+    return None
+
+
 def timeline_table(runs: list) -> str:
-    """Per e2e cell of a config with two widths (the choice): where the time went."""
+    """Per e2e cell of a config with two widths (the choice): where the time went, and
+    the DFlash chain's own steady step on the same cell (same round)."""
     out = ["| round | config | cell | steps tree / chain | steady ms tree / chain | "
-           "after a switch: into tree / into chain (n) | first 3 tree steps ms | "
-           "beyond steady: ms (% of the cell) |",
-           "| ---: | --- | --- | --- | --- | --- | ---: | --- |"]
+           "DFlash chain steady ms | after a switch: into tree / into chain (n) | "
+           "first 3 tree steps ms | beyond steady: ms (% of the cell) |",
+           "| ---: | --- | --- | --- | --- | ---: | --- | ---: | --- |"]
     for i, name, cell, e in _cells(runs):
         st = timeline_stats(e.get("timeline") or [])
         if not st or st["tree"] is None:
@@ -202,6 +214,7 @@ def timeline_table(runs: list) -> str:
         (ti, tn), (ci, cn) = st["after_switch_ms"][t], st["after_switch_ms"][c]
         out.append(f"| {i} | {name} | {cell} | {st['steps'][t]} / {st['steps'][c]} | "
                    f"{fmt(st['steady_ms'][t])} / {fmt(st['steady_ms'][c])} | "
+                   f"{fmt(_chain_steady(runs[i - 1], cell))} | "
                    f"{fmt(ti)} / {fmt(ci)} ({tn} / {cn}) | {fmt(st['first_tree_ms'])} | "
                    f"{fmt(st['excess_ms'], 1)} ({fmt(st['excess_pct'], 1)}) |")
     return "\n".join(out)

@@ -73,9 +73,10 @@ def test_the_timeline_shows_what_switches_and_first_steps_cost():
     assert st["excess_ms"] == 4 + 2 + 2  # 12 vs 8, 9 vs 7, 10 vs 8
     assert st["excess_pct"] == round(100 * 8 / 69, 2)  # of 69 ms of decode steps
     run = {"ddtree64autoasync": {"e2e": {"p80_N1": {"timeline": tl}}},
-           "chain15async": {"e2e": {"p80_N1": {"timeline": [[1, 16, 15, 7.0],
-                                                             [1, 16, 15, None]]}}}}
+           "chain15async": {"e2e": {"p80_N1": {"timeline": [
+               [1, 16, 15, 7.1], [1, 16, 15, 6.9], [1, 16, 15, 7.2], [1, 16, 15, None]]}}}}
     rows = [x for x in r.timeline_table([run]).splitlines() if x.startswith("| 1 |")]
-    assert rows == ["| 1 | ddtree64autoasync | p80_N1 | 5 / 3 | 8.00 / 7.00 | "
-                    "10.00 / 9.00 (1 / 1) | 9.33 | 8.0 (11.6) |"]  # one width: no row
+    # one width (the chain config): no row of its own, its steady step in the choice's
+    assert rows == ["| 1 | ddtree64autoasync | p80_N1 | 5 / 3 | 8.00 / 7.00 | 7.20 | "
+                    "10.00 / 9.00 (1 / 1) | 9.33 | 8.0 (11.6) |"]
     assert r.timeline_stats([[1, 11, None, 3.0]]) is None
