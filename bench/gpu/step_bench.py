@@ -107,11 +107,20 @@ def parse(cfg: str):
 
 
 def auto_schedule(k: int, c: int) -> list:
-    """DDTree's V2 default (payload config.default_schedule, max 1024 requests here):
-    a tree of k at 1 request, of k // 2 at 2 where that exceeds the chain c, c from 3."""
-    if k // 2 > c:
-        return [[1, 1, k], [2, 2, k // 2], [3, 1024, c]]
-    return [[1, 2, k], [3, 1024, c]]
+    """DDTree's V2 default schedule for budget k and chain c, read from this checkout's
+    payload (config.default_schedule; the package imports no vLLM)."""
+    import importlib
+    import importlib.util
+
+    pkg = "ddtree_payload_bench"
+    if pkg not in sys.modules:
+        where = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                             "patches", "ddtree", "payload")
+        spec = importlib.util.spec_from_file_location(
+            pkg, os.path.join(where, "__init__.py"), submodule_search_locations=[where])
+        sys.modules[pkg] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[pkg])
+    return importlib.import_module(f"{pkg}.config").default_schedule(k, c)
 
 
 def budget_at(spec: dict, n: int) -> int:
