@@ -27,7 +27,7 @@ with random safetensors written here (draft_load_config: safetensors).
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
     CONFIG: nospec | chain15 | chain15async |
-            ddtree<B>[pb|chain|auto][warm][bg][cg|nocg][async]
+            ddtree<B>[pb|chain|auto][warm][bg|nobg][cg|nocg][async]
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
     decoding; chain: budget B for 1-2 requests, a
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
@@ -35,8 +35,9 @@ with random safetensors written here (draft_load_config: safetensors).
     from 3 on, and at 1-2 requests the tree or the chain by tokens/s, arms.py; the chain
     arm's own draft graphs follow the default (on) unless nocg (VLLM_DDTREE_CHAIN_GRAPHS=0)
     or cg (=1); warm: before each timed e2e cell an untimed run of it on other prompts, so the choice is
-    timed in its steady state instead of its start; bg: the tree build replayed from
-    its own CUDA graphs, VLLM_DDTREE_BUILD_GRAPHS=1)
+    timed in its steady state instead of its start; the tree build replayed from its
+    own CUDA graphs follows the default (on) unless nobg (VLLM_DDTREE_BUILD_GRAPHS=0) or
+    bg (=1))
 
 With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
 default; DDTree follows it there): the same step walls, spans hooked on V2's own
@@ -87,9 +88,9 @@ def parse(cfg: str):
         # turns them off, cg pins them on
         cg = "0" if rest.endswith("nocg") else "1" if rest.endswith("cg") else None
         rest = rest[:-4] if cg == "0" else rest[:-2] if cg else rest
-        # bg: the tree build's own graphs (VLLM_DDTREE_BUILD_GRAPHS=1)
-        bg = rest.endswith("bg")
-        rest = rest[:-2] if bg else rest
+        # the tree build's own graphs: the default (on) unless nobg, bg pins them on
+        bg = "0" if rest.endswith("nobg") else "1" if rest.endswith("bg") else None
+        rest = rest[:-4] if bg == "0" else rest[:-2] if bg else rest
         # warm: the choice keeps what an untimed whole run of the cell taught it
         warm = rest.endswith("warm")
         rest = rest[:-4] if warm else rest
@@ -180,8 +181,11 @@ def engine(spec: dict, **llm_kw):
                 os.environ.pop("VLLM_DDTREE_CHAIN_GRAPHS", None)  # the default
             else:
                 os.environ["VLLM_DDTREE_CHAIN_GRAPHS"] = spec["cg"]
-            # bg: the tree build replayed from its own graphs (experimental, off else)
-            os.environ["VLLM_DDTREE_BUILD_GRAPHS"] = "1" if spec.get("bg") else "0"
+            # the tree build replayed from its own graphs: pinned by bg / nobg
+            if spec.get("bg") is None:
+                os.environ.pop("VLLM_DDTREE_BUILD_GRAPHS", None)
+            else:
+                os.environ["VLLM_DDTREE_BUILD_GRAPHS"] = spec["bg"]
             kw["async_scheduling"] = asy
         else:
             sc["method"] = "dflash"

@@ -74,5 +74,9 @@ def test_config_names_of_the_step_bench():
     assert warm["warm"] and warm["auto"] and warm["cg"] == "0" and warm["k"] == 64
     assert sb.parse("ddtree64autowarmasync")["warm"] and not cg["warm"]
     bg = sb.parse("ddtree64autowarmbgcgasync")
-    assert bg["bg"] and bg["warm"] and bg["cg"] == "1" and bg["k"] == 64 and not cg["bg"]
-    assert sb.parse("ddtree32bg") == dict(sb.parse("ddtree32"), bg=True)
+    assert bg["bg"] == "1" and bg["warm"] and bg["cg"] == "1" and bg["k"] == 64
+    assert cg["bg"] is None  # the default (on)
+    assert sb.parse("ddtree32bg") == dict(sb.parse("ddtree32"), bg="1")
+    nobg = sb.parse("ddtree64autonobgasync")
+    assert nobg["bg"] == "0" and nobg["auto"] and nobg["k"] == 64 and nobg["cg"] is None
+    assert sb.parse("ddtree64autowarmnobgnocgasync")["bg"] == "0"

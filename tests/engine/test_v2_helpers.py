@@ -571,8 +571,24 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
 
 
 def _check_build_graphs(spec) -> None:
-    """VLLM_DDTREE_BUILD_GRAPHS=1 on the real speculator: its graphs would read the
-    kept top-K buffers themselves; off CUDA nothing is captured (the build stays eager)."""
+    """The tree build's own graphs (on unless VLLM_DDTREE_BUILD_GRAPHS=0) on the real
+    speculator: they would read the kept top-K buffers themselves; off CUDA nothing is
+    captured (the build stays eager)."""
+    import os
+
+    from vllm.v1.spec_decode.ddtree.v2_speculator import BUILD_GRAPHS_ENV, build_graphs_on
+
+    was = os.environ.pop(BUILD_GRAPHS_ENV, None)
+    try:
+        assert build_graphs_on()  # the default
+        os.environ[BUILD_GRAPHS_ENV] = " 0 "
+        assert not build_graphs_on()
+        os.environ[BUILD_GRAPHS_ENV] = "1"
+        assert build_graphs_on()
+    finally:
+        os.environ.pop(BUILD_GRAPHS_ENV, None)
+        if was is not None:
+            os.environ[BUILD_GRAPHS_ENV] = was
     vals, idx, lse = spec._kept_views(2)
     assert vals.shape == (2, 3, 8) and idx.shape == (2, 3, 8) and lse.shape == (2, 3)
     assert (vals.data_ptr(), idx.data_ptr(), lse.data_ptr()) == \

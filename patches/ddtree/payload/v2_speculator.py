@@ -39,7 +39,7 @@ from .v2_step import SlotTrees
 
 _PROPOSE = inspect.signature(DFlashSpeculator.propose)
 BUILD_GRAPHS_ENV = "VLLM_DDTREE_BUILD_GRAPHS"
-BUILD_GRAPHS_MAX = 8  # with VLLM_DDTREE_BUILD_GRAPHS=1: tree batch sizes captured
+BUILD_GRAPHS_MAX = 8  # tree batch sizes whose build is captured (env =0: none)
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -155,13 +155,13 @@ class DDTreeSpeculator(DFlashSpeculator):
             with self._chain_arm():
                 super().capture()
         self.build_graphs = None
-        if os.environ.get(BUILD_GRAPHS_ENV, "0").strip() == "1":
+        if build_graphs_on():
             self.capture_builds()
 
     def capture_builds(self) -> None:
-        """VLLM_DDTREE_BUILD_GRAPHS=1 (experimental): the tree build after each draft
-        step replays a CUDA graph per tree batch size up to BUILD_GRAPHS_MAX, over the
-        kept top-K buffers, instead of its eager launches."""
+        """The tree build after each draft step replays a CUDA graph per tree batch size
+        up to BUILD_GRAPHS_MAX, over the kept top-K buffers, instead of its eager
+        launches (VLLM_DDTREE_BUILD_GRAPHS=0: eager)."""
         graphs = TopkTreeGraphs(self.ddtree_budget)
         sizes = [n for n in self.tree_sizes() if n <= min(BUILD_GRAPHS_MAX, self.max_num_reqs)]
         done = []
@@ -174,8 +174,9 @@ class DDTreeSpeculator(DFlashSpeculator):
                     "(%r): it stays eager", n, e, warn=True)
         self.build_graphs = graphs if done else None
         eager = [n for n in sizes if n not in done]  # off CUDA, or a replay not proven
-        log(__name__, "DDTree: the tree build's own graphs (%s): captured and proven for "
-            "batch sizes %s; eager for %s", BUILD_GRAPHS_ENV, done, eager, warn=bool(eager))
+        log(__name__, "DDTree: the tree build's own graphs (%s=0 turns them off): captured "
+            "and proven for batch sizes %s; eager for %s", BUILD_GRAPHS_ENV, done, eager,
+            warn=bool(eager) and self._top_vals.is_cuda)
 
     @contextmanager
     def _chain_arm(self):
@@ -261,6 +262,11 @@ class DDTreeSpeculator(DFlashSpeculator):
                 continue
             v, j, ls = vocab_topk(rows.to(vals.device), self.topk)  # key order
             vals[i], idx[i], lse[i] = v, j, ls
+
+
+def build_graphs_on() -> bool:
+    """The tree build's own graphs: on unless VLLM_DDTREE_BUILD_GRAPHS=0."""
+    return os.environ.get(BUILD_GRAPHS_ENV, "1").strip() != "0"
 
 
 def budgets_by_batch_size(spec, max_reqs: int) -> list[int]:
