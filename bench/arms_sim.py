@@ -3,9 +3,10 @@ the real tree build and walk: tokens/s of the choice vs always the chain and vs 
 faster arm (each on the same rows), for short and long runs, at measured step times.
 Prints a table.
 
-    python bench/arms_sim.py                      # run 11's step times, 1 and 2 requests
+    python bench/arms_sim.py                      # run 12's step times, 1 and 2 requests
     python bench/arms_sim.py --tree-ms 9 --chain-ms 7 --seeds 24
     python bench/arms_sim.py --switch-ms 5     # a switch of arms costs 5 ms more
+    python bench/arms_sim.py --z 2             # the tree leads past 2 standard errors
 
 Each profile is a calibrated synthetic drafter (the true token at a rank drawn from the
 profile; tests/gpu/test_arms.py's _tree_step) with L = 15, C = 15 and DDTree's V2
@@ -37,9 +38,9 @@ v2_arms = payload_module("v2_arms")
 L, V, B, C = 15, 2000, 64, 15
 PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
             "p90": [0.9, 0.05, 0.02], "weak": [0.3, 0.1]}
-# H200, run 11 d (bench/RESULTS.md): ms per step (timeline medians), tree / chain of 15,
+# H200, run 12 (bench/RESULTS.md): ms per step (timeline medians), tree / chain of 15,
 # and the tree's budget at that batch size, V2, 0.33.0
-STEP_MS = {1: (8.45, 6.95, 64), 2: (8.5, 7.15, 32)}
+STEP_MS = {1: (8.33, 6.98, 64), 2: (8.5, 7.18, 32)}
 
 
 def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None,
@@ -86,7 +87,10 @@ def main() -> None:
     ap.add_argument("--steps", default="40,80,400")
     ap.add_argument("--switch-ms", type=float, default=0.0,
                     help="added to a step whose arm differs from the step before's")
+    ap.add_argument("--z", type=float, default=arms.Z,
+                    help="the tree leads where its edge exceeds this many standard errors")
     a = ap.parse_args()
+    arms.Z = a.z
     times = {"given": (a.tree_ms, a.chain_ms, B)} if a.tree_ms and a.chain_ms else STEP_MS
     lens = [int(x) for x in a.steps.split(",")]
     pools = {(b, p): _tree_step(3, 1500, L, V, b, probs)

@@ -430,23 +430,26 @@ def use_synthetic_v2(runner, kind, synth):
     # one profile at a time: wrap the unwrapped methods (a wrapper of the previous
     # profile's wrapper would overwrite this profile's distributions with its own)
     if kind == "ddtree":
-        orig = spec.__dict__.get("_unwrapped_kept") or spec.kept
-        spec._unwrapped_kept = orig  # the kept top-K that trees and chain steps read
+        orig = spec.__dict__.get("_unwrapped_build") or spec.build_trees
+        spec._unwrapped_build = orig  # trees and chain steps read the kept top-K
 
-        def kept(batch, store):
+        def build_trees(batch, store, want=None):
             if store:
                 n, depth = batch.num_reqs, spec.num_speculative_steps
                 lg = logits(batch, depth).view(n * depth, -1)
-                if spec.drafts_chain(n):  # what sample_draft keeps there
+                # a chain (a chain batch size, or the chain arm at a tree batch size)
+                # keeps the argmax as sample_draft does there; a tree its top-K pass
+                if spec.drafts_chain(n) or (want is not None
+                                            and 0 < want <= spec.chain_budget):
                     spec.keep_top1(lg.argmax(-1))
                 else:
                     vals, idx, lse = vocab_topk(lg, spec.topk)
                     spec._top_vals[: n * depth].copy_(vals)
                     spec._top_idx[: n * depth].copy_(idx)
                     spec._lse[: n * depth].copy_(lse)
-            return orig(batch, store)
+            return orig(batch, store, want)
 
-        spec.kept = kept
+        spec.build_trees = build_trees
     elif kind == "chain":
         orig = spec.__dict__.get("_unwrapped_propose") or spec.propose
         spec._unwrapped_propose = orig

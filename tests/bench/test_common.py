@@ -80,3 +80,93 @@ def test_config_names_of_the_step_bench():
     nobg = sb.parse("ddtree64autonobgasync")
     assert nobg["bg"] == "0" and nobg["auto"] and nobg["k"] == 64 and nobg["cg"] is None
     assert sb.parse("ddtree64autowarmnobgnocgasync")["bg"] == "0"
+
+
+def test_equality_v2_reference_rows_expect_no_drafter():
+    """equality_v2's checks: the no-spec references (nospec, nospec_again) need target
+    graphs only; a DDTree row without drafter graphs is a problem (run 12 c3 flagged
+    nospec_again for its missing drafter graphs)."""
+    eq = load_bench("equality_v2")
+    a = SimpleNamespace(graphs=True, attn="TRITON_ATTN", depth=7, budget=32)
+    built = {"runner": "vllm.v1.worker.gpu.model_runner.GPUModelRunner",
+             "backends": ["TRITON_ATTN"], "target_graphs": "FULL_DECODE_ONLY: 8 captured"}
+    for name in ("nospec", "nospec_again"):
+        assert eq.checks(name, {"built": built}, a) == []
+    bad = eq.checks("nospec_again", {"built": dict(built, target_graphs="NONE: 0 captured")}, a)
+    assert bad and "target_graphs" in bad[0]
+    row = {"built": dict(built, speculator="DDTreeSpeculator", rejection_sampler="DDTreeV2Sampler",
+                         ddtree_runtime="V2DDTree", drafter_steps=7),
+           "walk": {"trees": 3}}
+    assert any("drafter_graphs" in p for p in eq.checks("ddtree", row, a))
+    row["built"]["drafter_graphs"] = "FULL_DECODE_ONLY: 8 captured"
+    assert not [p for p in eq.checks("ddtree", row, a) if "graphs" in p]
+
+
+def test_synthetic_v2_keeps_what_each_step_drafts(monkeypatch):
+    """step_bench.use_synthetic_v2 (DDTree): a tree step keeps the synthetic top-K, a
+    chain (a chain batch size, or the chain arm at a tree batch size: want <= C) keeps
+    its argmax as the drafter's own sampling does there, with no top-K pass (run 12:
+    DDTree's chain-arm steps paid one that DFlash's did not)."""
+    import importlib
+    import sys
+    import types
+
+    vt = importlib.import_module("ddtree_patcher.core.vocab_topk")
+
+    for name in ("vllm", "vllm.v1", "vllm.v1.spec_decode", "vllm.v1.spec_decode.ddtree",
+                 "vllm.v1.spec_decode.ddtree.core"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.v1.spec_decode.ddtree.core.vocab_topk", vt)
+    sb = load_bench("step_bench")
+    L, K, V = 3, 4, 50
+
+    class Spec:  # the DDTreeSpeculator surface the wrapper reads
+        vocab_size, num_speculative_steps, topk, chain_budget = V, L, K, 2
+
+        def __init__(self):
+            self._top_vals = torch.zeros(2 * L, K)
+            self._top_idx = torch.zeros(2 * L, K, dtype=torch.int64)
+            self._lse = torch.zeros(2 * L)
+            self.calls = []
+
+        def drafts_chain(self, n):
+            return n >= 2
+
+        def keep_top1(self, tokens):  # as DDTreeSpeculator.keep_top1
+            m = tokens.numel()
+            self._top_idx[:m, 0] = tokens
+            self._top_vals[:m, 0] = 0.0
+            self._top_vals[:m, 1:] = float("-inf")
+            self._lse[:m] = 0.0
+
+        def build_trees(self, batch, store, want=None):
+            self.calls.append((store, want))
+            return "tree"
+
+    g = torch.Generator().manual_seed(0)
+    lg = torch.randn(2, L, V, generator=g)
+    synth = SimpleNamespace(logits=lambda runner, call, n, depth, meta: lg[:n, :depth])
+    spec = Spec()
+    runner = SimpleNamespace(speculator=spec, req_states=SimpleNamespace(
+        last_sampled_tokens=torch.zeros(4, 1, dtype=torch.int64)))
+    sb.use_synthetic_v2(runner, "ddtree", synth)
+    one = SimpleNamespace(num_reqs=1, idx_mapping=torch.tensor([0]))
+    two = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([0, 1]))
+
+    assert spec.build_trees(one, store=True, want=3) == "tree"  # a tree: the top-K
+    top = lg[0].topk(K, -1)
+    assert torch.equal(spec._top_idx[:L], top.indices)
+    assert torch.isfinite(spec._top_vals[:L]).all()
+    assert torch.allclose(spec._lse[:L], lg[0].logsumexp(-1))
+    for batch, want in ((one, 2), (two, None)):  # chains: the argmax alone
+        spec.build_trees(batch, store=True, want=want)
+        m = batch.num_reqs * L
+        assert torch.equal(spec._top_idx[:m, 0], lg[: batch.num_reqs].reshape(m, V).argmax(-1))
+        assert (spec._top_vals[:m, 1:] == float("-inf")).all()
+    before = spec._top_idx.clone()
+    spec.build_trees(one, store=False, want=3)  # a dummy run: nothing written
+    assert torch.equal(spec._top_idx, before)
+    assert spec.calls == [(True, 3), (True, 2), (True, None), (False, 3)]
+    sb.use_synthetic_v2(runner, "ddtree", synth)  # a second profile wraps the original
+    spec.build_trees(one, store=False)
+    assert spec.calls[-1] == (False, None) and len(spec.calls) == 5
