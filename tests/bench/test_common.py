@@ -86,7 +86,11 @@ def test_equality_v2_reference_rows_expect_no_drafter():
     """equality_v2's checks: the no-spec references (nospec, nospec_again) need target
     graphs only; a DDTree row without drafter graphs is a problem (run 12 c3 flagged
     nospec_again for its missing drafter graphs)."""
-    eq = load_bench("equality_v2")
+    import os
+
+    was = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    eq = load_bench("equality_v2")  # sets the V2 runner at import: not for this process
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == was
     a = SimpleNamespace(graphs=True, attn="TRITON_ATTN", depth=7, budget=32)
     built = {"runner": "vllm.v1.worker.gpu.model_runner.GPUModelRunner",
              "backends": ["TRITON_ATTN"], "target_graphs": "FULL_DECODE_ONLY: 8 captured"}
