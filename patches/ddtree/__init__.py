@@ -11,6 +11,7 @@ from pathlib import Path
 from ...versions import V0_20, V0_32
 from ..framework import AddedFile, Family, Transform
 from . import gdn_v0_32, v0_20, v0_32, v2_v0_32
+from . import gdn_cuda_v0_32 as gdn_cuda
 
 PAYLOAD = Path(__file__).parent / "payload"
 
@@ -68,10 +69,10 @@ SAMPLER = Transform(
 GDN = Transform(
     name="ddtree-gdn",
     summary="DDTree on Gated DeltaNet hybrids (Qwen3-Next/3.5/3.6): tree GDN state and "
-            "short convolution, committed along the accepted path (CPU backend; "
-            "0.20.x: refused)",
+            "short convolution, committed along the accepted path (CUDA: one state "
+            "slot per request; CPU backend; 0.20.x: refused)",
     reference="issue 12; TreeWY arXiv 2608.20961",
     families=(Family(versions=V0_32, edits=(gdn_v0_32.CPU_GDN_EDIT,
-                                            gdn_v0_32.GDN_BASE_EDIT)),),
+                                            gdn_v0_32.GDN_BASE_EDIT, *gdn_cuda.EDITS)),),
     requires=("ddtree-sampler",),
 )

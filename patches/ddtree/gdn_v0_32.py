@@ -3,13 +3,13 @@ of Gated DeltaNet layers on the CPU backend run the tree path (payload/gdn.py).
 
 * ops/cpu/gdn_attention.py: at the top of ``_spec_forward`` (the CPU backend's GDN
   core for the speculative tokens, once per GDN layer and step).
-* gdn/base.py: GDN layers keep L + 1 state slots per request (L = ddtree_depth: the
-  tree path reads slot num_accepted - 1 <= L) instead of B + 1 (vLLM sizes them by
-  num_speculative_tokens, which is the tree budget B for DDTree).
+* gdn/base.py: GDN layers keep one state slot per request on CUDA (gdn_cuda.py reads
+  and writes the committed state in column 0), L + 1 on the CPU backend (L =
+  ddtree_depth: its path reads slot num_accepted - 1 <= L), instead of B + 1 (vLLM
+  sizes them by num_speculative_tokens, which is the tree budget B for DDTree).
 Without DDTree the stock code runs unchanged.  The commit after the walk is called
-by the DDTree runtime (payload/runtime.py).  CUDA is not routed: there the GDN core
-is qwen_gdn_linear_attn.py::_forward_core (Triton / the fused MTP kernel), and
-DDTree refuses GDN targets (payload/gdn.py: unsupported_reason).
+by the DDTree runtime (payload/runtime.py).  CUDA: gdn_cuda.py hooks
+qwen_gdn_linear_attn.py::_forward_core (payload gdn_cuda.py).
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ GDN_BASE_EDIT = file_edit(GDN_BASE, [
     Step("GatedDeltaNetAttention.__init__", partial(
         insert_near, qualname="GatedDeltaNetAttention.__init__",
         match=lambda c: c.strip().startswith("self.num_spec = ("),
-        code=f"# DDTree: accepted paths are at most ddtree_depth long\n"
+        code=f"# DDTree: one state slot per request on CUDA (the tree path keeps no\n"
+             f"# per-draft slots); the CPU path reads slots up to ddtree_depth\n"
              f"if {DDTREE_ON}:\n"
-             f"    self.num_spec = min(self.num_spec, self.speculative_config.ddtree_depth)\n"),
-        "self.speculative_config.ddtree_depth)"),
+             f"    from {PKG}.gdn_cuda import state_slots\n\n"
+             f"    self.num_spec = state_slots(self.num_spec, self.speculative_config)\n"),
+        "state_slots(self.num_spec, self.speculative_config)"),
     Step("GatedDeltaNetAttention.get_kv_cache_spec", partial(
         add_after_function, qualname="GatedDeltaNetAttention.get_state_dtype",
         code=f"def get_kv_cache_spec(self, vllm_config):\n"

@@ -1,4 +1,4 @@
-"""The CUDA GDN tree path (payload gdn/cuda.py) with the layer, metadata and caches laid
+"""The CUDA GDN tree path (payload gdn_cuda.py) with the layer, metadata and caches laid
 out as vLLM 0.32 / 0.33 hands them to ``_forward_core``: trees, a chain row (no tree),
 a ragged batch, padding rows and a roots-only step, against the plain recurrence and
 causal conv along every node's own path in float64 (core.gdn_tree.gdn_chain).  Runs
@@ -9,11 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from .conftest import ROOT, device, payload_module
-
-if (ROOT / "patches" / "ddtree" / "payload" / "gdn.py").exists():  # TEMPORARY
-    pytest.skip("payload/gdn.py shadows payload/gdn/ until the layout move (issue 28)",
-                allow_module_level=True)
+from .conftest import device, payload_module
 
 H, HV, K, V, W = 2, 4, 16, 16, 4
 C = 2 * H * K + HV * V
@@ -21,7 +17,7 @@ SLOTS = 8
 
 
 def _mods():
-    return payload_module("gdn.cuda"), payload_module("core.gdn_tree"), \
+    return payload_module("gdn_cuda"), payload_module("core.gdn_tree"), \
         payload_module("core")
 
 

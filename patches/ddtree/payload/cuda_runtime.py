@@ -97,6 +97,17 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         self._layout = None
         self._group = 0
         self._block_size = None
+        self.gdn = None  # gdn_cuda.py's GDNTree once the model is loaded (None: no GDN)
+        self._gdn_looked = False
+
+    def _attach_gdn(self) -> None:
+        """The V1 runner builds this runtime before it loads the model: the GDN layers
+        are found at the first dummy run (the memory profile) or step."""
+        if not self._gdn_looked:
+            from .gdn_cuda import attach
+
+            self._gdn_looked = True
+            self.gdn = attach(self.runner, self.state, self.budget, self.depth)
 
     # ---------------------------------------------------------------- proposer side
     def store_trees(self, req_ids, tree: DDTree) -> None:
@@ -105,6 +116,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
     # ---------------------------------------------------------------- runner hooks
     def prepare(self, scheduler_output, total_tokens: int) -> None:
         self.step, self.walk = None, None
+        self._attach_gdn()
         latest, self._latest = self._latest, None
         spec = scheduler_output.scheduled_spec_decode_tokens
         if not spec:
@@ -150,6 +162,8 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         else:
             parents, fix = self._prepare_torch(pack, n, width, nd, prev, roots, tree)
         self._dirty = True
+        if self.gdn is not None:
+            self.gdn.note_step()
         depth = self.depth if with_tree == int((nd > 0).sum()) else max(self.depth, dmax)
         walk_tree = DDTree(tokens=tok_d, parents=parents, depths=None, num_nodes=pack[:n],
                            scores=None, ancestor_mask=None, position_offsets=None,
@@ -193,6 +207,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
     def attach_dummy(self, attn_metadata) -> None:
         """Dummy / CUDA-graph capture runs: mark them too, so FULL graphs hold the tree
         kernel (rows without trees are causal, so such a graph is right for any batch)."""
+        self._attach_gdn()
         self.state.has_tree.zero_()
         self._dirty = False
         self._mark(attn_metadata)
@@ -256,6 +271,8 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         if step is None:
             return
         runner = self.runner
+        if self.gdn is not None and walk is not None:  # GDN state along the path
+            self.gdn.commit(walk.accepted_rows, walk.num_accepted, len(step.num_drafts))
         if not self.fused:
             return self._commit_torch(step, walk, aux_hidden_states)
         pack = step.pack

@@ -1,4 +1,5 @@
-"""DDTree on Gated DeltaNet hybrids (Qwen3-Next / Qwen3.5 / Qwen3.6), CPU backend.
+"""DDTree on Gated DeltaNet hybrids (Qwen3-Next / Qwen3.5 / Qwen3.6), CPU backend
+(CUDA: gdn_cuda.py).
 
 With DDTree on, every speculative step of a GDN layer runs here (the ddtree-gdn
 transform hooks ``_spec_forward`` of vLLM's ops/cpu/gdn_attention.py):
@@ -29,12 +30,13 @@ from .core.gdn_tree import (conv_commit, conv_windows, gdn_gates, tree_conv1d,
 
 GDN_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
              "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-HOOKED = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+HOOKED = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"  # CPU backend
+HOOKED_CUDA = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"  # gdn_cuda.py
 HOOK_CALL = "tree_spec_forward("
 
 
-def _hook_installed() -> bool:
-    spec = importlib.util.find_spec(HOOKED)
+def _hook_installed(module: str = HOOKED) -> bool:
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.origin:
         return False
     with open(spec.origin, encoding="utf-8") as f:
@@ -52,18 +54,21 @@ def unsupported_reason(vllm_config) -> str | None:
                 "path so far")
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return ("the tree path for GDN layers runs on vLLM's CPU backend only so far "
-                "(vLLM 0.32.0 / 0.33.0)")
-    if not _hook_installed():
+    cpu = current_platform.is_cpu()
+    if not (cpu or current_platform.is_cuda()):
+        return "the tree path for GDN layers runs on CUDA and on vLLM's CPU backend only"
+    if not _hook_installed(HOOKED if cpu else HOOKED_CUDA):
         return "the ddtree-gdn transform is not applied: run `ddtree-patch apply`"
     cache = vllm_config.cache_config
     if cache.enable_prefix_caching or getattr(cache, "mamba_cache_mode", "none") != "none":
-        return ("prefix caching of the GDN state (mamba_cache_mode 'align') is not "
-                "handled: pass enable_prefix_caching=False")
+        return ("prefix caching of the GDN state (mamba_cache_mode 'align', vLLM's default "
+                "for hybrids when prefix caching is on) is not handled: pass "
+                "enable_prefix_caching=False (--no-enable-prefix-caching)")
     if getattr(cache, "use_replayssm", False):
         return "ReplaySSM is not handled: turn it off"
-    if mc.dtype != torch.bfloat16:
+    if getattr(cache, "use_kda_recoverssm", False):
+        return "RecoverSSM is not handled: turn it off"
+    if cpu and mc.dtype != torch.bfloat16:
         return "vLLM's CPU GDN kernels run in bfloat16 only: pass dtype='bfloat16'"
     return None
 

@@ -51,8 +51,6 @@ class V2Step:
 
 def check_runner(runner) -> None:
     """Refuse, with what to do, every V2 configuration this path does not handle."""
-    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
-
     from .v2_speculator import DDTreeSpeculator
 
     cfg = runner.vllm_config
@@ -64,7 +62,7 @@ def check_runner(runner) -> None:
         bad.append(f"speculator {type(runner.speculator).__name__} (needs a plain "
                    "DFlash drafter, architectures ['DFlashDraftModel'])")
     ms = runner.model_state
-    if type(ms) is not DefaultModelState or getattr(ms, "rope_state", None) is not None:
+    if type(ms) not in _model_states() or getattr(ms, "rope_state", None) is not None:
         bad.append(f"model state {type(ms).__name__}"
                    + (" with M-RoPE" if getattr(ms, "rope_state", None) else "")
                    + " (dense decoder-only targets only)")
@@ -99,6 +97,18 @@ def check_runner(runner) -> None:
             "method='ddtree' on vLLM's V2 model runner does not support "
             + "; ".join(bad) + ". Drop it, or run DDTree on the V1 runner "
             "(VLLM_DDTREE_V2=0, or VLLM_USE_V2_MODEL_RUNNER=0).")
+
+
+def _model_states() -> tuple:
+    """The V2 model states DDTree verifies with: dense targets, and GDN hybrids (their
+    recurrent layers verify trees through gdn_cuda.py; config.py refused the others)."""
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    try:
+        from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+    except ImportError:  # pragma: no cover - 0.32/0.33 have it
+        return (DefaultModelState,)
+    return DefaultModelState, MambaHybridModelState
 
 
 def make_runtime(runner) -> "V2DDTree":
@@ -137,6 +147,9 @@ class V2DDTree:
         self.speculator.runtime = self
         runner.model_state.ddtree = self
         self.sampler = DDTreeV2Sampler(self, runner.sampler)
+        from .gdn_cuda import attach
+
+        self.gdn = attach(runner, self.state, self.budget, self.depth)  # None: no GDN
 
     # ---------------------------------------------------------------- verify step
     def prepare(self, input_batch) -> None:
@@ -160,6 +173,8 @@ class V2DDTree:
         v2_step.prepare(pack, n, self.budget, self.trees, input_batch.positions,
                         self.state.has_tree, self.state.mask, parents, self.fused)
         self._dirty = True
+        if self.gdn is not None:
+            self.gdn.note_step()
         tokens = runner.req_states.draft_tokens[input_batch.idx_mapping]
         tree = DDTree(tokens=tokens, parents=parents, depths=None, num_nodes=pack[:n],
                       scores=None, ancestor_mask=None, position_offsets=None,
@@ -206,8 +221,9 @@ class V2DDTree:
     def _check_backends(self, draft) -> None:
         for groups in self.runner.attn_groups:
             for g in groups:
-                if set(g.layer_names) <= draft:
-                    continue
+                if set(g.layer_names) <= draft or \
+                        _recurrent(getattr(g, "kv_cache_spec", None)):
+                    continue  # the drafter's, or GDN layers (gdn_cuda.py)
                 name = g.backend.get_name()
                 if name not in BACKENDS:
                     raise NotImplementedError(
@@ -227,6 +243,8 @@ class V2DDTree:
             raise RuntimeError("DDTree V2: the drafter got another batch than the one "
                                "verified")
         expect = self.speculator.expect  # the tree-vs-chain choice's worker half, or None
+        if self.gdn is not None and walk is not None:  # GDN state along the path
+            self.gdn.commit(walk.accepted_rows, walk.num_accepted, step.n)
         if step.chain:  # linear positions, the path is already in place
             if walk is not None and self.stats.path is not None:
                 self.stats.observe_chain(step.pack[: step.n], walk.num_accepted)
@@ -264,6 +282,8 @@ class V2DDTree:
         ctx = runner.compilation_config.static_forward_context
         out, seen = [], set()
         for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+            if _recurrent(getattr(group, "kv_cache_spec", None)):
+                continue  # GDN state: committed by gdn_cuda.py
             bs = runner.block_tables.block_sizes[gid]
             caches = []
             for name in group.layer_names:
@@ -285,3 +305,8 @@ class V2DDTree:
             raise RuntimeError("DDTree V2: no target KV caches found")
         self._kv = (key, out)
         return out
+
+
+def _recurrent(spec) -> bool:
+    """A KV-cache group of recurrent (Mamba-type) state, not paged attention."""
+    return any(c.__name__ == "MambaSpec" for c in type(spec).__mro__)

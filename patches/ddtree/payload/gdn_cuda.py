@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.gdn_tree import (GDNStash, gdn_gates, tree_conv1d, tree_gdn_commit,
+from .core.gdn_tree import (GDNStash, gdn_gates, tree_conv1d, tree_gdn_commit,
                              tree_gdn_verify)
 
 ATTR = "ddtree_gdn"  # the GDNTree a GDN layer's hook finds on the layer
@@ -284,8 +284,50 @@ def tree_spec_forward(layer, md, mixed_qkv_spec, b_spec, a_spec, conv_state, ssm
 
 
 def gdn_layers(forward_context: dict) -> dict:
-    """The Qwen GDN layers of a model (static_forward_context: prefix -> layer)."""
-    from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
-
+    """The GDN layers of a model (static_forward_context: prefix -> layer): instances
+    of vLLM's GatedDeltaNetAttention (by class name: no vllm import needed)."""
     return {name: layer for name, layer in forward_context.items()
-            if isinstance(layer, GatedDeltaNetAttention)}
+            if any(c.__name__ == "GatedDeltaNetAttention" for c in type(layer).__mro__)}
+
+
+def attach(runner, tree_state, budget: int, depth: int):
+    """The GDNTree of a model runner whose target has Qwen GDN layers (None without
+    any), its buffers sized for the most speculative tokens one step can verify."""
+    cc = getattr(runner, "compilation_config", None)
+    layers = gdn_layers(getattr(cc, "static_forward_context", None) or {})
+    if not layers:
+        return None
+    max_reqs = runner.max_num_reqs
+    cap = runner.vllm_config.scheduler_config.max_num_batched_tokens
+    gdn = GDNTree(layers, tree_state, min(max_reqs * (1 + budget), cap), max_reqs, depth,
+                  runner.device)
+    from . import log
+
+    log(__name__, "DDTree GDN: %d layers on the tree path, %.1f MiB of state per request "
+        "(one slot; a chain of k drafts keeps 1 + k), step buffers %.1f MiB for %d "
+        "speculative tokens", len(layers), state_bytes(layers) / 2**20,
+        gdn.stash_bytes() / 2**20, gdn.max_tokens)
+    return gdn
+
+
+def state_bytes(layers: dict) -> int:
+    """One request's recurrent state (conv + SSM) over these layers, one slot each."""
+    total = 0
+    for layer in layers.values():
+        for shape, dt in zip(layer.get_state_shape(), layer.get_state_dtype()):
+            n = 1
+            for x in shape:
+                n *= x
+            total += n * dt.itemsize
+    return total
+
+
+def state_slots(num_spec: int, speculative_config) -> int:
+    """The per-draft state slots a GDN layer keeps under DDTree (gdn/base.py hook):
+    none on CUDA (this module's one-slot path), up to ddtree_depth on the CPU backend
+    (payload gdn.py reads slot num_accepted - 1 there)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return min(num_spec, speculative_config.ddtree_depth)
+    return 0

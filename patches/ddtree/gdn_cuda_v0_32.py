@@ -1,4 +1,4 @@
-"""ddtree-gdn hooks for CUDA, vLLM 0.32.0 and 0.33.0 (payload gdn/cuda.py):
+"""ddtree-gdn hooks for CUDA, vLLM 0.32.0 and 0.33.0 (payload gdn_cuda.py):
 
 * qwen_gdn_linear_attn.py ``QwenGatedDeltaNetAttention._forward_core``: with DDTree on,
   the speculative rows run the tree path (``tree_spec_forward``) instead of vLLM's
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from ...framework import (AnchorError, Step, cst, code_of, edit_function, file_edit,
+from ..framework import (AnchorError, Step, cst, code_of, edit_function, file_edit,
                           insert_at_start, insert_near, statements)
 
 GDN_LAYER = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
@@ -31,7 +31,7 @@ SPEC = "spec_sequence_masks is not None"
 TREE_CALL = (
     f"ddtree_spec_out = None\n"
     f"if {SPEC} and {ON}:\n"
-    f"    from {PKG}.gdn.cuda import tree_spec_forward\n\n"
+    f"    from {PKG}.gdn_cuda import tree_spec_forward\n\n"
     f"    ddtree_spec_out = tree_spec_forward(self, attn_metadata, mixed_qkv_spec, b_spec,\n"
     f"                                        a_spec, conv_state, ssm_state)\n")
 TAKE = ("if ddtree_spec_out is not None:\n"
@@ -89,7 +89,7 @@ GDN_LAYER_EDIT = file_edit(GDN_LAYER, [
     Step("QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode", partial(
         insert_at_start, qualname="QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode",
         code=f"if {ON}:\n"
-             f"    return False  # DDTree verifies trees (gdn/cuda.py), not chains\n"),
+             f"    return False  # DDTree verifies trees (gdn_cuda.py), not chains\n"),
         "return False  # DDTree verifies trees"),
 ], "GDN speculative steps verify trees when DDTree is on (CUDA)")
 
