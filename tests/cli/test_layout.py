@@ -70,7 +70,8 @@ def test_wheel_holds_exactly_the_three_folders(tmp_path):
 
 
 def test_no_stray_files_at_the_top():
-    assert not list(ROOT.glob("*.whl"))
+    # (.whl/ is the git-ignored folder of wheels carried to the GPU machine)
+    assert not [p for p in ROOT.glob("*.whl") if p.is_file()]
 
 
 def test_design_notes_live_in_the_repo(cli):
