@@ -1,8 +1,9 @@
 """Engine check: a tiny random Qwen3 target + DFlash drafter built in a temp folder,
 greedy no-spec vs DDTree (random drafter, then a synthetic drafter that forces deep
 and sibling accepts), tokens must be identical; reports the mean accepted length.
-With ddtree-gdn on the CPU backend, also a tiny Qwen3-Next hybrid (GDN layers, bf16):
-greedy DDTree == no-spec except at bf16 near ties (no-spec top-2 gap < HYBRID_EPS)."""
+With ddtree-gdn, also a tiny GDN hybrid: on the CPU backend a Qwen3-Next (bf16, the CPU
+GDN kernels' only dtype), on CUDA a dense Qwen3.5 (fp32, Triton GDN prefill): greedy
+DDTree == no-spec except at near ties (no-spec top-2 gap < HYBRID_EPS[dtype])."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS"
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-HYBRID_EPS = 0.125
+HYBRID_EPS = {"bfloat16": 0.125, "float32": 1e-3}
 
 
 def _generate(llm_kwargs: dict, prompts, max_tokens: int, logprobs: int | None = None):
@@ -93,29 +94,35 @@ def _gap(step) -> float:
 def _hybrid(spec: dict, rng) -> tuple[bool, str]:
     from vllm.platforms import current_platform
 
-    if "ddtree-gdn" not in spec["applied"] or not current_platform.is_cpu():
-        return True, "GDN hybrid check skipped (needs ddtree-gdn on the CPU backend)"
+    cpu, cuda = current_platform.is_cpu(), current_platform.is_cuda()
+    if "ddtree-gdn" not in spec["applied"] or not (cpu or cuda):
+        return True, "GDN hybrid check skipped (needs ddtree-gdn, on CUDA or the CPU backend)"
     from . import tiny_hybrid
 
+    dtype = "bfloat16" if cpu else "float32"
     with tempfile.TemporaryDirectory(prefix="ddtree-verify-hybrid-") as tmp:
-        pair = tiny_hybrid.write_pair(tmp)
+        pair = tiny_hybrid.write_pair(tmp, {} if cpu else {"arch": "qwen3_5"})
         prompts = [[rng.randrange(2, 500) for _ in range(3 + 5 * i)] for i in range(4)]
-        common = dict(model=pair["target"], skip_tokenizer_init=True, dtype="bfloat16",
+        common = dict(model=pair["target"], skip_tokenizer_init=True, dtype=dtype,
                       max_model_len=256, enforce_eager=True, seed=0,
                       enable_prefix_caching=False, disable_log_stats=False,
                       distributed_executor_backend="uni")
+        if cuda:  # Triton runs everywhere (FlashInfer may be absent); fp32 attention
+            common.update(additional_config={"gdn_prefill_backend": "triton"},
+                          attention_backend="TRITON_ATTN")
         base, m = _generate(common, prompts, 16, logprobs=2)
         got, _ = _generate({**common, "speculative_config": {
             "method": "ddtree", "model": pair["drafter"], "num_speculative_tokens": 8}},
             prompts, 16)
-    compared = 0
+    compared, eps = 0, HYBRID_EPS[dtype]
     for i, (a, b) in enumerate(zip(base, got)):
         j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        if j < len(a) and m["gaps"][i][j] >= HYBRID_EPS:
+        if j < len(a) and m["gaps"][i][j] >= eps:
             return False, (f"DDTree on a GDN hybrid differs from no-spec decoding: prompt "
                            f"{i}, token {j} (no-spec top-2 gap {m['gaps'][i][j]:.3f}): "
                            f"{a[j:j + 4]} vs {b[j:j + 4]}")
         compared += j
     total = sum(map(len, base))
-    return True, (f"GDN hybrid (bf16): {compared}/{total} tokens identical"
-                  + ("" if compared == total else ", the rest after bf16 near ties"))
+    return True, (f"GDN hybrid ({dtype}, {'CPU' if cpu else 'CUDA'}): {compared}/{total} "
+                  "tokens identical" + ("" if compared == total else
+                                        f", the rest after {dtype} near ties"))

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GDN-on-CUDA session on the H200 (issue 27), run as a user would: the stock slim
+# vLLM bundle, `ddtree-patch apply --python python3`, `ddtree-patch verify`, then the
+# GPU tests and the equality / speed runs.  Repo root on the device:
+#   call 1 (carry .gpu-b1):           mkdir -p /tmp/vbparts && cp .gpu-b1/* /tmp/vbparts/
+#   call 2+ (carry .gpu-b2 .whl):     STAGES="install apply tests eq" bash bench/gpu/gdn_device.sh
+# .gpu-b1/.gpu-b2: bench/gpu/pack_calls.sh BUNDLE (+ record_trim.py of ../shared/gpu/v0_3x
+# in .gpu-b2); .whl: libcst and this project's wheel (the device has click, not libcst).
+# Stages: install (bundle + record_trim + the tool), apply (status, apply, verify),
+# tests (GPU tests of the GDN path), eq / eqg (equality_gdn eager / FULL graphs),
+# eqb (bf16 with the DFlash control), bench (GDN layer: tree vs chain).
+# Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+       VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
+export PYTHONPATH=/tmp/vb/vllm_slim:/tmp/vb/site:/tmp/ddt
+start=$(date +%s)
+stamp() { echo "=== $(($(date +%s) - start))s $*"; }
+DDT="python3 -m ddtree_patcher.cli"
+for s in ${STAGES:-install apply tests eq}; do
+  case $s in
+    install)
+      stamp install
+      if [ ! -d /tmp/vb/vllm_slim ]; then
+        cp .gpu-b2/aa2 .gpu-b2/part_ab /tmp/vbparts/
+        cat /tmp/vbparts/aa1 /tmp/vbparts/aa2 > /tmp/vbparts/part_aa && rm /tmp/vbparts/aa1 /tmp/vbparts/aa2
+        SKIP_IMPORT_CHECK=1 bash /tmp/vbparts/install_remote.sh /tmp/vbparts /tmp/vb 2>&1 | tail -3
+        python3 .gpu-b2/record_trim.py /tmp/vb/vllm_slim
+      fi
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ddt .whl/*.whl 2>&1 | tail -2
+      $DDT --version 2>&1 | tail -1 ;;
+    apply)
+      stamp apply
+      (cd /tmp && $DDT status --python python3; $DDT apply --python python3; echo "apply rc=$?"
+       $DDT verify --python python3; echo "verify rc=$?") 2>&1 | tee "$OUT/apply_verify.txt" | tail -40 ;;
+    tests)
+      stamp tests
+      timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gdn_cuda_path.py \
+        tests/gpu/test_gdn_tree.py 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt" ;;
+    eq)
+      stamp eq eager
+      timeout ${T_EQ:-400} python3 bench/gpu/equality_gdn.py "$OUT/eq_eager" \
+        --rows "${EQ_ROWS:-ddtree,ddtree_n1,ddtree_n2,ddtree_default,ddtree_swa,ddtree_v1}" \
+        > "$OUT/eq_eager.txt" 2>&1; echo "rc=$?"; grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/eq_eager.txt" | tail -40 ;;
+    eqg)
+      stamp eq graphs
+      timeout ${T_EQG:-540} python3 bench/gpu/equality_gdn.py "$OUT/eq_graphs" --graphs \
+        --rows "${EQG_ROWS:-ddtree,ddtree_n1,ddtree_default,ddtree_swa,ddtree_eager}" \
+        > "$OUT/eq_graphs.txt" 2>&1; echo "rc=$?"; grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/eq_graphs.txt" | tail -40 ;;
+    eqb)
+      stamp eq bf16
+      timeout ${T_EQB:-400} python3 bench/gpu/equality_gdn.py "$OUT/eq_bf16" --dtype bfloat16 \
+        --rows "${EQB_ROWS:-ddtree,ddtree_v1,dflash}" > "$OUT/eq_bf16.txt" 2>&1; echo "rc=$?"
+      grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/eq_bf16.txt" | tail -30 ;;
+    bench)
+      stamp gdn bench
+      timeout ${T_BENCH:-200} python3 bench/gpu/gdn_bench.py --out "$OUT/gdn_bench.json" 2>&1 | tail -30 ;;
+  esac
+done
+stamp done
+(cd "$OUT" && for d in eq_eager eq_graphs eq_bf16; do [ -d $d ] && tar czf $d.tgz $d && rm -rf $d; done) 2>/dev/null
+ls "$OUT"
