@@ -33,8 +33,8 @@ import torch  # noqa: E402
 from gpu.test_arms import _tree_step, out  # noqa: E402
 from gpu.conftest import payload_module  # noqa: E402
 
-arms = payload_module("arms")
-v2_arms = payload_module("v2_arms")
+arms = payload_module("sched.arms")
+v2_arms = payload_module("sched.paired")
 L, V, B, C = 15, 2000, 64, 15
 PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
             "p90": [0.9, 0.05, 0.02], "weak": [0.3, 0.1]}

@@ -25,19 +25,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_patcher.core import (  # noqa: E402
+from ddtree_patcher.patches.ddtree.payload.core import (  # noqa: E402
     build_chain_from_topk,
     build_tree,
     build_tree_from_topk,
-    build_tree_ports_style,
     compact_kv,
     row_logsumexp,
     vocab_topk,
     walk_greedy,
     walk_sampled,
 )
-from ddtree_patcher.core._triton import HAS_TRITON  # noqa: E402
-from ddtree_patcher.core.budget import H200_VLLM_0_20_2, BudgetController, CostTable, build_controlled  # noqa: E402
+from ddtree_patcher.patches.ddtree.payload.core._triton import HAS_TRITON  # noqa: E402
+from ddtree_patcher.patches.ddtree.reference.heap import build_tree_ports_style  # noqa: E402
+from ddtree_patcher.patches.ddtree.payload.core.budget import H200_VLLM_0_20_2, BudgetController, CostTable, build_controlled  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -404,7 +404,7 @@ def main():
         kv = dict(layers=36, heads=8, hd=128, ctx=512)
         shape = (36, 4096, 32, 8, 128, 12288, 512)  # Qwen3-8B
         max_probs = 16 << 30
-    from ddtree_patcher.core._triton import triton as _t
+    from ddtree_patcher.patches.ddtree.payload.core._triton import triton as _t
 
     meta = dict(device=torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu",
                 torch=torch.__version__, triton=getattr(_t, "__version__", "-"),

@@ -19,15 +19,19 @@ _points = [0]
 
 
 def point(label: str) -> None:
-    """A write point: log it, and SIGKILL ourselves here when the test asks for it."""
+    """A write point: log it, and SIGKILL ourselves here when the test asks for it
+    (``DDTREE_PATCH_FAULT=kill-at:N``), or send another signal (``signal-at:N:TERM``)."""
     _points[0] += 1
     n = _points[0]
     log = os.environ.get("DDTREE_PATCH_FAULT_LOG")
     if log:
         with open(log, "a") as f:
             f.write(f"{n} {label}\n")
-    if os.environ.get("DDTREE_PATCH_FAULT") == f"kill-at:{n}":
+    fault = os.environ.get("DDTREE_PATCH_FAULT", "")
+    if fault == f"kill-at:{n}":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.startswith(f"signal-at:{n}:"):  # e.g. signal-at:12:INT (Ctrl-C), :TERM
+        os.kill(os.getpid(), getattr(signal, "SIG" + fault.rsplit(":", 1)[1]))
 
 
 def sha256_bytes(data: bytes) -> str:

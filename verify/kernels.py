@@ -13,7 +13,7 @@ import random
 
 
 def load_oracle(core):
-    """The heapq oracle (ddtree_patcher/core/heap_reference.py, copied next to this file
+    """The heapq oracle (patches/ddtree/reference/heap.py, copied next to this file
     by verify_client; never installed into vLLM), loaded as a module of the core under
     test so that its relative imports (quantisation) resolve to that core."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heap_reference.py")

@@ -31,8 +31,10 @@ def main():
     budget_s = float(os.environ.get("SWEEP_BUDGET_S", "200"))
     import triton.testing as tt
 
-    import vllm.v1.spec_decode.ddtree.cuda_attention as ca
+    import vllm.v1.spec_decode.ddtree.attention.triton_tree as ca
     from vllm.v1.spec_decode.ddtree.core import build_tree
+
+    from ddtree_patcher.patches.ddtree.reference.tree_attention import reference_tree_attention
 
     dev = "cuda"
     hq, hkv, d, bs, ctx = 32, 8, 128, 16, 512
@@ -60,7 +62,7 @@ def main():
         tree = build_tree(torch.randn(n, 15, 4096, device=dev, generator=g) * 3, b, b)
         st.mask.copy_(tree.ancestor_mask.view(torch.int8))
         st.has_tree.fill_(1)
-        ref = ca.reference_tree_attention(q, kv[0], kv[1], bt, sl, qsl, st.has_tree, st.mask,
+        ref = reference_tree_attention(q, kv[0], kv[1], bt, sl, qsl, st.has_tree, st.mask,
                                           d ** -0.5, hkv)
         cases[(n, b)] = (q, kv, bt, qsl, sl, st, ref, q_len)
 

@@ -11,7 +11,7 @@ sys.path.insert(0, "tests")
 import torch  # noqa: E402
 from gpu.conftest import payload_module  # noqa: E402
 
-v2a = payload_module("v2_arms")
+v2a = payload_module("sched.paired")
 dev = "cuda"
 n, L, K, C = 2, 15, 64, 15
 ex = v2a.ArmExpect([1, 2], C, L, 32, torch.device(dev))

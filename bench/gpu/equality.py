@@ -61,7 +61,7 @@ def engine(base, dtype, backend, mode, profile=None, eager=False, stats=None, **
 
 
 def count_tree_calls():
-    import vllm.v1.spec_decode.ddtree.cuda_attention as ca
+    import vllm.v1.spec_decode.ddtree.attention.triton_tree as ca
 
     orig = ca.tree_attention
     box = {"n": 0}

@@ -129,7 +129,7 @@ def gdn_info(llm) -> dict:
 
 def count_tree_gdn():
     try:
-        import vllm.v1.spec_decode.ddtree.gdn_cuda as g
+        import vllm.v1.spec_decode.ddtree.gdn.cuda as g
     except Exception:  # noqa: BLE001
         return {"n": None}, lambda: 0
     orig, box = g.GDNTree.forward, {"n": 0}

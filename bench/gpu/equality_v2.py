@@ -168,7 +168,7 @@ def built(llm) -> dict:
 
 
 def count_tree_calls():
-    import vllm.v1.spec_decode.ddtree.cuda_attention as ca
+    import vllm.v1.spec_decode.ddtree.attention.triton_tree as ca
 
     orig, box = ca.tree_attention, {"n": 0}
 

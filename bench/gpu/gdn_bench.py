@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddtree_patcher.core import build_tree  # noqa: E402
-from ddtree_patcher.core.gdn_tree import (  # noqa: E402
+from ddtree_patcher.patches.ddtree.payload.core import build_tree  # noqa: E402
+from ddtree_patcher.patches.ddtree.payload.core.gdn_tree import (  # noqa: E402
     conv_commit, conv_windows, gdn_gates, tree_conv1d, tree_gdn_commit, tree_gdn_verify,
     tree_mask)
 

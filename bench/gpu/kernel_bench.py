@@ -21,7 +21,7 @@ def main():
     out_dir = sys.argv[1]
     import triton.testing as tt
 
-    import vllm.v1.spec_decode.ddtree.cuda_attention as ca
+    import vllm.v1.spec_decode.ddtree.attention.triton_tree as ca
     from vllm.v1.spec_decode.ddtree.core import build_tree
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 

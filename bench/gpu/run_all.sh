@@ -30,8 +30,7 @@ case "$PATCH_DIR" in /*) ;; *) PATCH_DIR="$ROOT/$PATCH_DIR";; esac
 if [ -d "$PATCH_DIR" ]; then cp -r "$PATCH_DIR/." /tmp/vb/vllm_slim/; fi
 DDT=/tmp/vb/vllm_slim/vllm/v1/spec_decode/ddtree
 if [ -d /tmp/vb/vllm_slim/vllm ]; then
-  mkdir -p "$DDT/core"
-  cp "$ROOT"/patches/ddtree/payload/*.py "$DDT/" && cp "$ROOT"/ddtree_patcher/core/*.py "$DDT/core/"
+  rm -rf "$DDT" && mkdir -p "$DDT" && cp -r "$ROOT"/patches/ddtree/payload/. "$DDT/"
 fi
 find /tmp/vb/vllm_slim/vllm -name __pycache__ -path "*spec_decode*" -prune -exec rm -rf {} + 2>/dev/null
 stamp() { echo "=== $(($(date +%s) - start))s $*"; }

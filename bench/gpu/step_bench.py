@@ -260,8 +260,8 @@ class Hooks:
 
             r.drafter.propose = span("draft", propose, cpu=True)
         if kind == "ddtree":
-            import vllm.v1.spec_decode.ddtree.proposer as pm
-            import vllm.v1.spec_decode.ddtree.sampler as sm
+            import vllm.v1.spec_decode.ddtree.v1.proposer as pm
+            import vllm.v1.spec_decode.ddtree.v1.sampler as sm
 
             pm.build_tree = span("tree_build", pm.build_tree)
             sm.walk_greedy = span("walk", sm.walk_greedy)

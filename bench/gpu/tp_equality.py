@@ -77,7 +77,7 @@ def _w_info(worker):
 
 def _w_tree_calls(worker, reset):
     """Eager calls of the CUDA tree attention on this rank (installs a counter)."""
-    import vllm.v1.spec_decode.ddtree.cuda_attention as ca
+    import vllm.v1.spec_decode.ddtree.attention.triton_tree as ca
 
     box = getattr(ca, "_tp_eq_calls", None)
     if box is None:

@@ -5,7 +5,7 @@ positions P+1 .. P+L and the target's continuation is truth [L]:
 
 * chain (DFlash, k = L): accepted = number of leading depths whose argmax == truth;
 * DDTree at budget B: the best tree of B nodes for the factorised drafter
-  distribution (Algorithm 1, ``ddtree_patcher.core.heap_reference.heap_build``: the
+  distribution (Algorithm 1, ``ddtree_patcher.patches.ddtree.reference.heap.heap_build``: the
   oracle the engine's tree builder is tested against), walked greedily: follow the
   child whose token is the truth at that depth.
 
@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _heap_build():
     try:
-        from ddtree_patcher.core.heap_reference import heap_build
+        from ddtree_patcher.patches.ddtree.reference.heap import heap_build
     except ImportError:  # run from a checkout without the package installed
         sys.path.insert(0, str(ROOT))
-        from ddtree_patcher.core.heap_reference import heap_build
+        from ddtree_patcher.patches.ddtree.reference.heap import heap_build
     return heap_build
 
 

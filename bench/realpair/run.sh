@@ -76,8 +76,8 @@ else
       cp -r "$GPU_PATCH/." "$VB/vllm_slim/" || exit 3
     fi
     DDT=$VB/vllm_slim/vllm/v1/spec_decode/ddtree
-    mkdir -p "$DDT/core" && cp "$ROOT"/patches/ddtree/payload/*.py "$DDT/" &&
-      cp "$ROOT"/ddtree_patcher/core/*.py "$DDT/core/" && rm -rf "$DDT/__pycache__" "$DDT/core/__pycache__"
+    rm -rf "$DDT" && mkdir -p "$DDT" && cp -r "$ROOT"/patches/ddtree/payload/. "$DDT/" &&
+      find "$DDT" -name __pycache__ -prune -exec rm -rf {} +
   fi
   PY=${PYTHON:-python3}
   T_TARGET=${TARGET_SECONDS:-120} T_GEN=${GEN_SECONDS:-20} T_DRAFT=${DRAFTER_SECONDS:-80}

@@ -1,43 +1,41 @@
 """DDTree for vLLM: ``ddtree-proposer`` (method "ddtree", the DFlash pass turned into a
 tree of B drafts, plus the added package vllm/v1/spec_decode/ddtree) and
 ``ddtree-sampler`` (verify the whole tree in one target pass, walk it, commit the
-accepted path).  Hooks per version family: ``v0_20`` (0.20.0-0.20.2, CUDA tree
-attention) and ``v0_32`` (0.32.0, 0.33.0; ``v2_v0_32``: their V2 model runner).
-``ddtree-gdn`` (gdn_v0_32): Gated DeltaNet hybrid targets, CPU backend of 0.32.0 /
-0.33.0."""
+accepted path).  ``ddtree-gdn``: Gated DeltaNet hybrid targets (CPU backend and CUDA
+of 0.32.0 / 0.33.0).
+
+Layout: ``payload/`` is the package added to vLLM (copied verbatim, every ``*.py``
+under it); ``v0_20/`` and ``v0_32/`` are the transforms of each version family;
+``reference/`` holds oracles that never ship into vLLM.
+"""
 
 from pathlib import Path
 
-from ...versions import V0_20, V0_32
+from ddtree_patcher.versions import V0_20, V0_32
+
 from ..framework import AddedFile, Family, Transform
-from . import gdn_v0_32, v0_20, v0_32, v2_v0_32
-from . import gdn_cuda_v0_32 as gdn_cuda
+from .v0_20 import runner as v0_20
+from .v0_32 import gdn as gdn_v0_32
+from .v0_32 import gdn_cuda
+from .v0_32 import v1_runner as v0_32
+from .v0_32 import v2_runner as v2_v0_32
 
 PAYLOAD = Path(__file__).parent / "payload"
 
 DEST = "vllm/v1/spec_decode/ddtree"
-# The heapq oracle / benchmark baseline stays out of vLLM (verify carries its own copy).
-NOT_SHIPPED = ("heap_reference.py",)
 
 
-def _core_dir() -> Path:
-    import ddtree_patcher  # the package only: importing core would pull in torch
-
-    return Path(ddtree_patcher.__file__).parent / "core"
+def payload_files() -> list[Path]:
+    """Every module of the added package, sorted by its path under payload/."""
+    return sorted(p for p in PAYLOAD.rglob("*.py") if "__pycache__" not in p.parts)
 
 
 def _added() -> tuple[AddedFile, ...]:
     files = []
-    for p in sorted(PAYLOAD.glob("*.py")):
-        files.append(AddedFile(f"{DEST}/{p.name}", p.read_bytes, f"payload {p.name}"))
-    for p in sorted(_core_dir().glob("*.py")):
-        if p.name in NOT_SHIPPED:
-            continue
-        files.append(AddedFile(f"{DEST}/core/{p.name}", p.read_bytes,
-                               f"DDTree core {p.name}"))
+    for p in payload_files():
+        rel = p.relative_to(PAYLOAD).as_posix()
+        files.append(AddedFile(f"{DEST}/{rel}", p.read_bytes, f"payload {rel}"))
     return tuple(files)
-
-
 PROPOSER = Transform(
     name="ddtree-proposer",
     summary="method='ddtree': one DFlash pass -> the best tree of B draft tokens "

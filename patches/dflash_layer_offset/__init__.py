@@ -5,7 +5,7 @@ layer ``k + 1`` and the speculators-format loader must store ``aux - 1``.  0.20.
 the fix (``v0_20``); 0.32.0 and 0.33.0 ship it, which the same detectors confirm.
 """
 
-from ...versions import V0_20, V0_32
+from ddtree_patcher.versions import V0_20, V0_32
 from ..framework import Family, Transform
 from . import v0_20
 

@@ -9,7 +9,7 @@ with one block table / slot mapping / causality per KV-cache group and writes th
 context K/V into every group (added module vllm/v1/spec_decode/dflash_swa.py).
 """
 
-from ...versions import V0_20, V0_32
+from ddtree_patcher.versions import V0_20, V0_32
 from ..framework import Family, Transform
 from . import v0_20, v0_32
 from .common import ADDED

@@ -18,7 +18,7 @@ def _common():
 def test_reset_arms_renews_both_halves():
     from tests.gpu.conftest import payload_module
 
-    arms, v2_arms = payload_module("arms"), payload_module("v2_arms")
+    arms, v2_arms = payload_module("sched.arms"), payload_module("sched.paired")
     C = _common()
     lookup = arms.ArmLookup([0, 64, 64], 15)
     lookup.stats[(1, 64)].add(5, 0.008)
@@ -115,7 +115,7 @@ def test_synthetic_v2_keeps_what_each_step_drafts(monkeypatch):
     import sys
     import types
 
-    vt = importlib.import_module("ddtree_patcher.core.vocab_topk")
+    vt = importlib.import_module("ddtree_patcher.patches.ddtree.payload.core.vocab_topk")
 
     for name in ("vllm", "vllm.v1", "vllm.v1.spec_decode", "vllm.v1.spec_decode.ddtree",
                  "vllm.v1.spec_decode.ddtree.core"):

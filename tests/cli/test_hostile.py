@@ -68,7 +68,7 @@ def test_upgraded_install_never_gets_the_old_files(tree, cli):
     assert st["status"] == "stale-state" and "forget" in st["next"]
     assert "version: saved 0.20.2, now 0.33.0" in st["details"]
     out = cli("forget", "--json", *sp(site), check=0).json
-    assert "vllm/v1/spec_decode/ddtree/proposer.py" in out["removed"]
+    assert "vllm/v1/spec_decode/ddtree/v1/proposer.py" in out["removed"]
     assert hashes(site) == hashes(tree("vllm", "0.33.0", slim=True))
     assert record_mismatches(find_target(site_packages=str(site))) == []
     cli("apply", NV, *sp(site), check=0)  # a fresh start on 0.33.0

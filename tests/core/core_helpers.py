@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddtree_patcher.core._triton import HAS_TRITON, interpreting
+from ddtree_patcher.patches.ddtree.payload.core._triton import HAS_TRITON, interpreting
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

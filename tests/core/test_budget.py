@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddtree_patcher.core import build_tree, heap_build, reference_tree, vocab_topk
-from ddtree_patcher.core.budget import (
+from ddtree_patcher.patches.ddtree.payload.core import build_tree, vocab_topk
+from ddtree_patcher.patches.ddtree.reference.heap import heap_build, reference_tree
+from ddtree_patcher.patches.ddtree.payload.core.budget import (
     H200_VLLM_0_20_2,
     BudgetController,
     CostTable,
@@ -20,7 +21,7 @@ from ddtree_patcher.core.budget import (
     default_budgets,
     expected_by_depth,
 )
-from ddtree_patcher.core.tree_build import canonical_topk, chain_scores
+from ddtree_patcher.patches.ddtree.payload.core.tree_build import canonical_topk, chain_scores
 
 
 def tree_of(scores, depths):
@@ -253,7 +254,7 @@ def test_build_controlled_truncates_or_switches_to_the_chain():
 
 
 def test_build_controlled_with_a_builder():
-    from ddtree_patcher.core.graphed import GraphedBuild
+    from ddtree_patcher.patches.ddtree.payload.core.graphed import GraphedBuild
 
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 4, 50, generator=g) * 3
@@ -285,7 +286,7 @@ def test_batch_schedule_picks_the_best_budget_per_batch_size():
     """Trees cost nothing extra for one request and grow steeply with the batch: the
     schedule goes from the big tree to the small one, in vLLM's range format, and says
     where the chain would be faster."""
-    from ddtree_patcher.core.budget import batch_schedule
+    from ddtree_patcher.patches.ddtree.payload.core.budget import batch_schedule
 
     table = CostTable({1: {17: 10.0, 65: 10.0}, 8: {17: 12.0, 65: 40.0}},
                       chain={1: 9.0, 8: 10.0})
@@ -318,7 +319,7 @@ def test_schedule_cli_on_the_run6_v2_step_table(capsys):
     two requests, chain steps from where trees stop paying; errors exit 2."""
     from pathlib import Path
 
-    from ddtree_patcher.core.budget import main
+    from ddtree_patcher.patches.ddtree.payload.core.budget import main
 
     res = Path(__file__).resolve().parents[2] / "bench/gpu/results/run6_032/v2_step_bench.json"
     assert main(["schedule", str(res), "--tau", "16=4.7,32=5.2,64=6.0", "--chain-tau", "4.5",

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from core_helpers import DEV, needs_triton
-from ddtree_patcher.core import build_tree
-from ddtree_patcher.core.gdn_tree import (
+from ddtree_patcher.patches.ddtree.payload.core import build_tree
+from ddtree_patcher.patches.ddtree.payload.core.gdn_tree import (
     conv_commit,
     conv_windows,
     gdn_chain,

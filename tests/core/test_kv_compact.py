@@ -2,7 +2,7 @@ import pytest
 import torch
 from core_helpers import CUDA, DEV, needs_cuda, needs_triton
 
-from ddtree_patcher.core import compact_kv, compact_kv_slots, compaction_slots, token_view
+from ddtree_patcher.patches.ddtree.payload.core import compact_kv, compact_kv_slots, compaction_slots, token_view
 
 SHAPES = {
     "kv_in_block": lambda nb, bs, h, d: (nb, 2, bs, h, d),

@@ -5,11 +5,12 @@ import pytest
 import torch
 from core_helpers import CUDA, DEV, TRITON_OK, assert_same_tree, needs_cuda, needs_triton, tree_nodes
 
-from ddtree_patcher.core import build_tree, build_tree_from_topk, canonical_topk, heap_build, reference_tree
-from ddtree_patcher.core.heap_reference import build_tree_ports_style, visibility_matrix
-from ddtree_patcher.core.tree_build import (Q_NEG, build_chain_from_topk, candidate_pairs, num_candidates,
+from ddtree_patcher.patches.ddtree.payload.core import build_tree, build_tree_from_topk, canonical_topk
+from ddtree_patcher.patches.ddtree.reference.heap import heap_build, reference_tree
+from ddtree_patcher.patches.ddtree.reference.heap import build_tree_ports_style, visibility_matrix
+from ddtree_patcher.patches.ddtree.payload.core.tree_build import (Q_NEG, build_chain_from_topk, candidate_pairs, num_candidates,
                                             quantize_logprobs, row_logsumexp)
-from ddtree_patcher.core.vocab_topk import decode_keys, order_keys, pick_sub, vocab_topk
+from ddtree_patcher.patches.ddtree.payload.core.vocab_topk import decode_keys, order_keys, pick_sub, vocab_topk
 
 
 def _logprobs(rng: random.Random, g: torch.Generator, n, L, v, kind):
@@ -316,7 +317,8 @@ def test_no_host_sync_in_build(monkeypatch):
     the core's frames (on a GPU, the CUDA-graph capture tests check the same)."""
     import sys
 
-    core = str(Path(build_tree.__code__.co_filename).parent)
+    core = (str(Path(build_tree.__code__.co_filename).parent),  # and the heap oracle
+            str(Path(build_tree_ports_style.__code__.co_filename).parent))
     bad = []
 
     def spy(name):
@@ -376,7 +378,7 @@ def test_graphed_build_matches_eager():
     """Off CUDA GraphedBuild runs eagerly; on CUDA it replays one graph per batch
     bucket: the same trees, top-K lists and chain scores as the eager build, for
     batches below the bucket and for changing inputs."""
-    from ddtree_patcher.core.graphed import GraphedBuild, build_step
+    from ddtree_patcher.patches.ddtree.payload.core.graphed import GraphedBuild, build_step
 
     g = torch.Generator(device=DEV).manual_seed(6)
     v = 151936 if CUDA else 300
@@ -398,7 +400,7 @@ def test_topk_tree_graphs_replay_only_over_their_own_buffers():
     caller's static top-K buffers; after new values are written there the replay equals
     the eager build.  Other buffers, other shapes and every call off CUDA run eagerly:
     never a replay of stale inputs."""
-    from ddtree_patcher.core.graphed import TopkTreeGraphs
+    from ddtree_patcher.patches.ddtree.payload.core.graphed import TopkTreeGraphs
 
     g = torch.Generator(device=DEV).manual_seed(8)
     L, V, B = (15, 151936, 64) if CUDA else (3, 300, 16)
@@ -433,7 +435,7 @@ def test_topk_tree_graphs_replay_only_over_their_own_buffers():
 def test_topk_tree_graphs_keep_only_a_proven_capture(monkeypatch):
     """TopkTreeGraphs.capture replays a probe over the buffers and keeps the graph only
     if it gives the eager build's tree (same_tree); the buffers are restored."""
-    import ddtree_patcher.core.graphed as gr
+    import ddtree_patcher.patches.ddtree.payload.core.graphed as gr
 
     L, V, B = 3, 300, 16
     v, i, s = vocab_topk(torch.randn(2, L, V, device=DEV), B)

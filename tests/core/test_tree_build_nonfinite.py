@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from ddtree_patcher.core import HAS_TRITON, build_tree
-from ddtree_patcher.core.heap_reference import reference_tree
+from ddtree_patcher.patches.ddtree.payload.core import HAS_TRITON, build_tree
+from ddtree_patcher.patches.ddtree.reference.heap import reference_tree
 
 NAN, INF = math.nan, math.inf
 BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])

@@ -2,8 +2,8 @@ import pytest
 import torch
 from core_helpers import CUDA, DEV, needs_cuda, needs_triton
 
-from ddtree_patcher.core import build_tree, masses, target_probs, walk_greedy, walk_sampled
-from ddtree_patcher.core.sampling import apply_top_k_top_p
+from ddtree_patcher.patches.ddtree.payload.core import build_tree, masses, target_probs, walk_greedy, walk_sampled
+from ddtree_patcher.patches.ddtree.payload.core.sampling import apply_top_k_top_p
 
 
 # ----------------------------------------------------------------- scalar oracles
@@ -127,7 +127,7 @@ def test_triton_walks_match_torch():
 @needs_triton
 def test_triton_sampled_many_chunks(monkeypatch):
     """Small chunks: the bonus search crosses chunk boundaries and skips children."""
-    from ddtree_patcher.core import tree_walk
+    from ddtree_patcher.patches.ddtree.payload.core import tree_walk
 
     monkeypatch.setattr(tree_walk, "SUM_CHUNK", 4)
     g = torch.Generator().manual_seed(4)

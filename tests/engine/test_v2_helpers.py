@@ -112,9 +112,9 @@ def main() -> None:
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import prepare_dflash_inputs
 
     pkg = _payload_package()
-    v2_step = importlib.import_module(f"{pkg}.v2_step")
-    v2r = importlib.import_module(f"{pkg}.v2_runtime")
-    v2s = importlib.import_module(f"{pkg}.v2_speculator")
+    v2_step = importlib.import_module(f"{pkg}.v2.step")
+    v2r = importlib.import_module(f"{pkg}.v2.runtime")
+    v2s = importlib.import_module(f"{pkg}.v2.speculator")
     core = importlib.import_module(f"{pkg}.core")
 
     R, B, L, V, BS, T, MAXLEN = 4, 6, 3, 32, 4, 32, 64
@@ -162,7 +162,7 @@ def main() -> None:
     assert 9 not in spec._top_idx[L + 1].tolist()
     assert torch.allclose(spec._lse[: 2 * L], torch.logsumexp(ref, -1))
     prev = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([2, 1]))
-    v2_arms = importlib.import_module(f"{pkg}.v2_arms")  # the choice's worker half
+    v2_arms = importlib.import_module(f"{pkg}.sched.paired")  # the choice's worker half
     v2_arms.PUBLISH = 1000
     spec.expect = v2_arms.ArmExpect([3], 2, L, R, "cpu")  # arms at 3 requests, C = 2
     tokens = spec.build_trees(prev, store=True)
@@ -544,7 +544,7 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
     torch.accelerator.empty_cache = lambda: None  # model loading on a CPU-only torch
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model
-    from vllm.v1.spec_decode.ddtree.v2_speculator import DDTreeSpeculator
+    from vllm.v1.spec_decode.ddtree.v2.speculator import DDTreeSpeculator
     from vllm.v1.worker.gpu.spec_decode import init_speculator
 
     with set_current_vllm_config(cfg):
@@ -576,7 +576,7 @@ def _check_build_graphs(spec) -> None:
     captured (the build stays eager)."""
     import os
 
-    from vllm.v1.spec_decode.ddtree.v2_speculator import BUILD_GRAPHS_ENV, build_graphs_on
+    from vllm.v1.spec_decode.ddtree.v2.speculator import BUILD_GRAPHS_ENV, build_graphs_on
 
     was = os.environ.pop(BUILD_GRAPHS_ENV, None)
     try:
@@ -639,7 +639,7 @@ def _check_target_chain_graphs(cfg) -> None:
             assert mgr.dispatch(n, 4 * n, 4, 0).cg_mode == CUDAGraphMode.FULL
             assert mgr.dispatch(n, (1 + k) * n, 1 + k, 0).cg_mode == CUDAGraphMode.FULL
         # the hook itself: the target's manager only (never a drafter's), 1 + C once
-        from vllm.v1.spec_decode.ddtree.v2_chain_graphs import target_query_lens
+        from vllm.v1.spec_decode.ddtree.v2.chain_graphs import target_query_lens
         from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
 
         draft = DFlashCudaGraphManager(cfg, torch.device("cpu"),
@@ -656,12 +656,12 @@ def _check_target_chain_graphs(cfg) -> None:
 
 
 def _check_chain_arm_graphs(spec) -> None:
-    """The chain arm's draft graphs (v2_chain_graphs.py) against vLLM's own
+    """The chain arm's draft graphs (v2/chain_graphs.py) against vLLM's own
     CudaGraphManager candidates and dispatch (no graph is captured on the CPU: the
     platform's graph pool is stubbed out), and the speculator's chain-arm mode."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.platforms import current_platform
-    from vllm.v1.spec_decode.ddtree import v2_chain_graphs as vcg
+    from vllm.v1.spec_decode.ddtree.v2 import chain_graphs as vcg
     from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
 
     assert spec.tree_sizes() == [1, 2] and spec.chain_graphs is None
@@ -731,7 +731,7 @@ def _check_scheduler_arms(config) -> None:
                                             KVCacheGroupSpec)
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
-    from vllm.v1.spec_decode.ddtree.arms import ArmLookup
+    from vllm.v1.spec_decode.ddtree.sched.arms import ArmLookup
     from vllm.v1.structured_output import StructuredOutputManager
 
     def scheduler(cfg, asynchronous=True):

@@ -62,7 +62,7 @@ def _broken_tool(dest: Path) -> Path:
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(Path(verify_pkg.__file__).parent, pkg / "verify",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    runtime = pkg / "patches" / "ddtree" / "payload" / "runtime.py"
+    runtime = pkg / "patches" / "ddtree" / "payload" / "v1" / "runtime.py"
     runtime.write_text(runtime.read_text()
                        + "\nraise ImportError('deliberately broken for a test')\n")
     return dest

@@ -5,9 +5,6 @@ were collected first; TRITON_INTERPRET=0 without CUDA skips them."""
 
 import importlib
 import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,20 +16,13 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-_PKG = {}
+PAYLOAD_PKG = "ddtree_patcher.patches.ddtree.payload"
 
 
 def payload_module(name: str):
-    """Import payload/<name>.py as part of a package laid out as vLLM gets it
-    (payload files + core/), without importing vllm."""
-    if "pkg" not in _PKG:
-        tmp = Path(tempfile.mkdtemp(prefix="ddtree_payload_"))
-        pkg = tmp / "ddtree_payload_pkg"
-        shutil.copytree(ROOT / "patches" / "ddtree" / "payload", pkg)
-        shutil.copytree(ROOT / "ddtree_patcher" / "core", pkg / "core")
-        sys.path.insert(0, str(tmp))
-        _PKG["pkg"] = "ddtree_payload_pkg"
-    return importlib.import_module(f"{_PKG['pkg']}.{name}")
+    """payload/<name> (dotted under payload/, e.g. "v2.step"), imported straight from the
+    checkout; nothing of vLLM is imported."""
+    return importlib.import_module(f"{PAYLOAD_PKG}.{name}")
 
 
 def device() -> str:

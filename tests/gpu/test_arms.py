@@ -14,7 +14,7 @@ import pytest
 
 from .conftest import HAS_CUDA, payload_module
 
-arms = payload_module("arms")
+arms = payload_module("sched.arms")
 
 TREE, CHAIN = 64, 15
 
@@ -180,7 +180,7 @@ def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev):
 
     import torch
 
-    v2_arms = payload_module("v2_arms")
+    v2_arms = payload_module("sched.paired")
     monkeypatch.setattr(v2_arms, "PUBLISH", 1000)
     arms.EXPECTED.clear()
     depth, chain = 6, 4
@@ -247,7 +247,7 @@ def test_a_chain_that_is_not_in_the_tree_is_still_read_off_the_output():
     position counts."""
     import torch
 
-    v2_arms = payload_module("v2_arms")
+    v2_arms = payload_module("sched.paired")
     ex = v2_arms.ArmExpect([1], 3, 3, max_reqs=1, device="cpu")
     ex.draft(torch.zeros(1, 3, 2), torch.tensor([[[5, 6], [7, 8], [9, 1]]]),
              torch.zeros(1, 3), torch.tensor([0]))
@@ -315,7 +315,7 @@ def test_the_worker_half_never_syncs_the_host(monkeypatch):
     mode: a host sync there would stall every draft (run 8 b: 1.61x)."""
     import torch
 
-    v2_arms = payload_module("v2_arms")
+    v2_arms = payload_module("sched.paired")
     monkeypatch.setattr(v2_arms, "PUBLISH", 2)
     ex = v2_arms.ArmExpect([2], 4, 6, max_reqs=4, device="cuda")
     idx = torch.randint(0, 1000, (2, 6, 3), device="cuda")
@@ -344,7 +344,7 @@ def _tree_step(seed: int, n: int, L: int, V: int, B: int, probs):
     length per row for chains of every length)."""
     import torch
 
-    from ddtree_patcher.core import build_tree_from_topk, vocab_topk, walk_greedy
+    from ddtree_patcher.patches.ddtree.payload.core import build_tree_from_topk, vocab_topk, walk_greedy
 
     g = torch.Generator().manual_seed(seed)
     p = torch.tensor(probs, dtype=torch.float64)
@@ -408,7 +408,7 @@ def test_the_chain_read_off_a_tree_step_is_what_the_chain_would_have_accepted(
     the tree's count is the walk's."""
     import torch
 
-    v2_arms = payload_module("v2_arms")
+    v2_arms = payload_module("sched.paired")
     monkeypatch.setattr(v2_arms, "PUBLISH", 10 ** 6)  # sums kept whole
     n, L, V, B, C = 400, 6, 40, 6, 5
     vals, idx, lse, walk, hits = _tree_step(seed, n, L, V, B, [0.55, 0.2, 0.1])
@@ -428,7 +428,7 @@ def test_the_chain_read_off_tree_steps_is_right_on_average(monkeypatch):
     """With a calibrated drafter the read-off count (exact where known, the drafter's
     expected rest past the bonus) averages the chain's real accepted length; a small
     tree (B = 4) leaves the chain out often, so the expected rest matters."""
-    v2_arms = payload_module("v2_arms")
+    v2_arms = payload_module("sched.paired")
     monkeypatch.setattr(v2_arms, "PUBLISH", 10 ** 6)
     n, L, V, B, C = 3000, 6, 40, 4, 6
     vals, idx, lse, walk, hits = _tree_step(7, n, L, V, B, [0.75, 0.1, 0.05])
@@ -460,7 +460,7 @@ def test_both_halves_pick_the_arm_that_is_faster_on_this_text(probs, label, monk
     import torch
 
     monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
-    v2_arms = payload_module("v2_arms")
+    v2_arms = payload_module("sched.paired")
     L, V, B, C = 8, 200, 24, 8
     vals, idx, lse, walk, hits = _tree_step(3, 3000, L, V, B, probs)
     tree_acc, chain_acc = walk.num_accepted, hits[:, :C].sum(1)
@@ -504,9 +504,9 @@ def test_a_tree_step_prices_every_smaller_tree_exactly(monkeypatch):
 
     import torch
 
-    from ddtree_patcher.core import walk_greedy
+    from ddtree_patcher.patches.ddtree.payload.core import walk_greedy
 
-    v2_arms = payload_module("v2_arms")
+    v2_arms = payload_module("sched.paired")
     monkeypatch.setattr(v2_arms, "PUBLISH", 1)
     arms.EXPECTED.clear()
     arms.SUBTREES.clear()
@@ -574,7 +574,7 @@ def test_paired_counts_shorten_the_calibration(monkeypatch):
     import torch
 
     monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
-    v2_arms = payload_module("v2_arms")
+    v2_arms = payload_module("sched.paired")
 
     def calibration(paired: bool) -> list[int]:
         if paired:

@@ -28,8 +28,8 @@ def _runtime_module(monkeypatch):
         for k in ("vllm", "vllm.v1", "vllm.v1.outputs"):
             monkeypatch.setitem(sys.modules, k, types.ModuleType(k))
         sys.modules["vllm.v1.outputs"].SamplerOutput = SamplerOutput
-    payload_module("sampler")
-    return payload_module("cuda_runtime")
+    payload_module("v1.sampler")
+    return payload_module("v1.cuda")
 
 
 def _impl(name: str, head_size: int = 2):

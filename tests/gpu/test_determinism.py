@@ -34,7 +34,7 @@ def _proposer_class(monkeypatch):
     propose() ends, as vLLM's does, in _sample_draft_tokens on the drafter's output
     (here: the logits themselves).  Loaded as a fresh module so a real vLLM next to
     the tests is not needed and not touched."""
-    payload_module("sampler")  # the package and core, as the runtime tests load them
+    payload_module("v1.sampler")  # the package and core, as the runtime tests load them
 
     class DFlashProposer:
         def __init__(self, *a, **k):
@@ -49,9 +49,9 @@ def _proposer_class(monkeypatch):
     stub = types.ModuleType("vllm.v1.spec_decode.dflash")
     stub.DFlashProposer = DFlashProposer
     monkeypatch.setitem(sys.modules, "vllm.v1.spec_decode.dflash", stub)
-    pkg = sys.modules["ddtree_payload_pkg"]
-    path = Path(pkg.__file__).parent / "proposer.py"
-    spec = importlib.util.spec_from_file_location("ddtree_payload_pkg._proposer_tp", path)
+    v1 = payload_module("v1")
+    path = Path(v1.__file__).parent / "proposer.py"
+    spec = importlib.util.spec_from_file_location(f"{v1.__name__}._proposer_tp", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.DDTreeProposer

@@ -17,7 +17,7 @@ SLOTS = 8
 
 
 def _mods():
-    return payload_module("gdn_cuda"), payload_module("core.gdn_tree"), \
+    return payload_module("gdn.cuda"), payload_module("core.gdn_tree"), \
         payload_module("core")
 
 

@@ -6,8 +6,8 @@ interpreter checks live in tests/core/test_gdn_tree.py)."""
 import pytest
 import torch
 
-from ddtree_patcher.core import build_tree
-from ddtree_patcher.core.gdn_tree import (
+from ddtree_patcher.patches.ddtree.payload.core import build_tree
+from ddtree_patcher.patches.ddtree.payload.core.gdn_tree import (
     conv_commit,
     conv_windows,
     gdn_gates,

@@ -77,7 +77,7 @@ def reference64(case):
 
 
 def run_split(case, max_q, prefix, out=None, **kw):
-    sa = payload_module("split_attention")
+    sa = payload_module("attention.split")
     key, value = step_kv(case)
     out = torch.full_like(case["query"], float("nan")) if out is None else out
     if prefix == "torch":
@@ -130,7 +130,7 @@ def test_tree_tilings():
 def test_matches_single_kernel_and_refuses_what_it_cannot_do():
     dtype = torch.float16
     case, mq = small_cases(dtype)
-    ca = payload_module("cuda_attention")
+    ca = payload_module("attention.triton_tree")
     single = torch.zeros_like(case["query"])
     ca.launch(case["query"], case["key_cache"], case["value_cache"], single,
               case["block_table"], case["seq_lens"], case["query_start_loc"],
@@ -169,7 +169,7 @@ def test_fa_prefix_qwen3_shapes(dtype):
                              budget=budget, seed=n + budget)
         _, ref = check(case, mq, dtype, "fa")
         check(case, mq, dtype, "triton")
-        ca = payload_module("cuda_attention")
+        ca = payload_module("attention.triton_tree")
         single = torch.zeros_like(case["query"])
         ca.launch(case["query"], case["key_cache"], case["value_cache"], single,
                   case["block_table"], case["seq_lens"], case["query_start_loc"],
@@ -224,7 +224,7 @@ def test_cuda_graph_replay_sees_new_trees(prefix):
                          d=128, budget=budget, seed=1)
     key, value = step_kv(case)
     out = torch.zeros_like(case["query"])
-    sa = payload_module("split_attention")
+    sa = payload_module("attention.split")
 
     def run():
         sa.split_tree_attention(case["query"], key, value, case["key_cache"],
@@ -260,15 +260,15 @@ def test_backend_entry_point_routes_to_split(monkeypatch):
     a KV-sharing layer (key None) keeps the single kernel."""
     from types import SimpleNamespace
 
-    ca = payload_module("cuda_attention")
+    ca = payload_module("attention.triton_tree")
     case, mq = small_cases(torch.float32)
     key, value = step_kv(case)
     kv = torch.stack([case["key_cache"], case["value_cache"]])  # "kv_outer"
     impl = SimpleNamespace(head_size=kv.shape[-1], scale=case["scale"],
                            num_kv_heads=case["num_kv_heads"], _ddtree_checked=True)
     calls = []
-    real = payload_module("split_attention").split_tree_attention
-    monkeypatch.setattr(payload_module("split_attention"), "split_tree_attention",
+    real = payload_module("attention.split").split_tree_attention
+    monkeypatch.setattr(payload_module("attention.split"), "split_tree_attention",
                         lambda *a, **k: calls.append(k["prefix"]) or real(*a, **k))
 
     def run(split, k=key, v=value):
@@ -297,7 +297,7 @@ def test_split_auto_decides_by_the_batch_shape(monkeypatch):
     graphs replay what they captured)."""
     from types import SimpleNamespace
 
-    ca = payload_module("cuda_attention")
+    ca = payload_module("attention.triton_tree")
     assert ca.SPLIT == "auto" or "VLLM_DDTREE_SPLIT_ATTN" in os.environ
 
     def md(reqs):

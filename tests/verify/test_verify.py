@@ -6,12 +6,12 @@ import types
 
 import pytest
 
-import ddtree_patcher.core as core
-from ddtree_patcher.core import heap_reference
+import ddtree_patcher.patches.ddtree.payload.core as core
+from ddtree_patcher.patches.ddtree.reference import heap as heap_reference
 from ddtree_patcher.verify import kernels
 
 SPEC_PY = "vllm/config/speculative.py"
-ADDED = "vllm/v1/spec_decode/ddtree/sampler.py"
+ADDED = "vllm/v1/spec_decode/ddtree/v1/sampler.py"
 
 
 @pytest.fixture
@@ -133,7 +133,7 @@ def test_wrong_compaction_is_caught():
 
 
 def test_oracle_is_loaded_next_to_the_installed_core(tmp_path, monkeypatch):
-    """vLLM gets the core without heap_reference.py; verify carries its own copy and
+    """vLLM gets the core without the heap oracle; verify carries its own copy and
     loads it as a module of the core under test (as the runner does in the target env)."""
     import shutil
     import sys
@@ -141,17 +141,17 @@ def test_oracle_is_loaded_next_to_the_installed_core(tmp_path, monkeypatch):
 
     src = Path(core.__file__).parent
     shutil.copytree(src, tmp_path / "vendored_core",
-                    ignore=shutil.ignore_patterns("heap_reference.py", "__pycache__"))
+                    ignore=shutil.ignore_patterns("__pycache__"))
     verify_copy = tmp_path / "verify_copy"
     shutil.copytree(Path(kernels.__file__).parent, verify_copy,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(src / "heap_reference.py", verify_copy / "heap_reference.py")
+    shutil.copy(heap_reference.__file__, verify_copy / "heap_reference.py")
     monkeypatch.syspath_prepend(str(tmp_path))
     import importlib
 
     installed = importlib.import_module("vendored_core")
     vk = importlib.import_module("verify_copy.kernels")
-    with pytest.raises(ImportError):
+    with pytest.raises(AttributeError):
         installed.heap_build  # noqa: B018 - not shipped
     ok, msg = vk.run(installed, "cpu", seed=11, oracle=vk.load_oracle(installed))
     assert ok and "tree build == heapq reference" in msg

@@ -291,7 +291,7 @@ def refuse_recurrent_target(vllm_config) -> None:
     if not (model_config.is_hybrid or model_config.is_attention_free
             or getattr(model_config, "has_inner_state", False)):
         return
-    from .gdn import unsupported_reason
+    from .gdn.cpu import unsupported_reason
 
     why = unsupported_reason(vllm_config)
     if why is None:
@@ -360,7 +360,7 @@ def default_batch_policy(vllm_config, spec) -> None:
     if not sched:
         spec.num_speculative_tokens_per_batch_size = default_schedule(b, c)
     if mode == "auto":  # a bad VLLM_DDTREE_ARMS: refused here, not at scheduler start
-        from .arms import _knobs
+        from .sched.arms import _knobs
 
         _knobs()
     spec.ddtree_chain_budget = c

@@ -1,0 +1,335 @@
+"""Tree attention for vLLM's CUDA backends (FLASH_ATTN, FLEX_ATTENTION): DDTree verify.
+
+Neither FA3 nor the FlexAttention backend takes a per-request mask, so a verify step
+runs this Triton paged-attention kernel instead (hooked into both backends' forward
+by the ddtree-sampler transform).  Every query row of request r sees the request's
+whole context (``seq_len - q_len`` cached tokens) and, among this step's rows:
+
+  * with a tree (``has_tree[r] != 0``): the rows its ancestor-or-self mask allows,
+    ``mask[r, i, j]`` over verify rows (row 0 = root, row 1 + k = tree node k);
+  * without one: the rows before it and itself (plain causal: prefill chunks,
+    requests without drafts, drafts verified as a chain).
+
+It reads K/V from the paged cache ([num_blocks, block_size, kv_heads, head_size]
+per K and V, any strides: the FA/Flex layouts), which the backends fill before
+``forward`` (``forward_includes_kv_cache_update = False``).
+
+CUDA graphs: the launch depends only on the batch shape (number of requests, the
+metadata's ``max_query_len``) and on tensors at fixed addresses (the runner's
+persistent query_start_loc / seq_lens / block table, and the ``TreeState`` buffers
+that the runtime fills before every forward), so a FULL graph captured with it
+replays correctly with any trees.  Rows with ``has_tree = 0`` are causal, so the
+same graph is right for batches without trees.
+
+``reference/tree_attention.py`` (not shipped) is the torch version (fp32 math), used by the tests;
+the CPU backend's ``cpu_attention.tree_attention`` is the same rule over the CPU
+cache layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .tiles import head_view
+from ..core._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
+
+
+SPLIT_MIN_PROGRAMS = 132  # H100/H200 SM count: fewer programs than this -> split the keys
+MAX_SPLITS = 8
+
+# Launch configs by the step's query rows (num_reqs * max_query_len): the first entry
+# whose bound is >= rows wins; missing fields keep the defaults (block_q = 64 // G query
+# tokens per program, 64-key tiles, automatic key splits, 4 warps, Triton's stages).
+# VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table (bench/gpu/attn_sweep.py
+# writes one from measurements).
+TUNING: list[dict] = [  # H200, bench/gpu/attn_sweep.py (bench/RESULTS.md)
+    {"max_rows": 96, "block_q": 8, "block_n": 32, "splits": 8},
+    {"max_rows": 512, "block_q": 16, "block_n": 32, "splits": 4},
+    {"max_rows": 2048, "block_q": 16, "block_n": 32, "splits": 1, "num_warps": 4,
+     "num_stages": 2},
+]
+if os.environ.get("VLLM_DDTREE_ATTN_TUNING"):
+    with open(os.environ["VLLM_DDTREE_ATTN_TUNING"]) as _f:
+        TUNING = json.load(_f)
+
+
+def pick_config(rows: int) -> dict:
+    for t in TUNING:
+        if rows <= t["max_rows"]:
+            return t
+    return {}
+
+
+class TreeState:
+    """Static per-step tree inputs of the kernel (fixed addresses: CUDA-graph safe)."""
+
+    def __init__(self, max_reqs: int, budget: int, device):
+        rows = budget + 1
+        self.rows = rows
+        self.has_tree = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        self.mask = torch.zeros(max_reqs, rows, rows, dtype=torch.int8, device=device)
+
+
+if HAS_TRITON:
+    from .tiles import merge_state, online_update, query_rows, row_index, tile_scores
+
+    @triton.jit
+    def _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi, row_ok, d, dm, ctx, kend,
+              has, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_mi, scale, kvh, block_size,
+              BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """One key tile: scores, tree/causal visibility, online-softmax update."""
+        kk = start + tl.arange(0, BLOCK_N)
+        km = kk < kend
+        blk = tl.load(bt_row + kk // block_size, mask=km, other=0).to(tl.int64)
+        off = (kk % block_size).to(tl.int64)
+        kv_m = km[:, None] & dm[None, :]
+        k = tl.load(K + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + d[None, :],
+                    mask=kv_m, other=0.0)
+        s = tile_scores(q, k, scale, IEEE)
+        j = kk - ctx
+        new = (j >= 0) & km
+        tm = tl.load(mask_row + qi[:, None] * s_mi + j[None, :],
+                     mask=row_ok[:, None] & new[None, :] & has, other=0)
+        causal = j[None, :] <= qi[:, None]
+        vis = tl.where(has, tm != 0, causal) | (j < 0)[None, :]
+        vis = vis & km[None, :] & row_ok[:, None]
+        s = tl.where(vis, s, float("-inf"))
+        v = tl.load(V + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + d[None, :],
+                    mask=kv_m, other=0.0)
+        return online_update(s, m_i, l_i, acc, v, IEEE)
+
+    @triton.jit
+    def _tree_attn_kernel(Q, K, V, O, BT, SEQ, QSL, HAS, MASK, PM, PL, PACC,
+                          s_qt, s_qh, s_ot, s_oh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                          s_bt, s_mr, s_mi, scale, block_size, NQB, NKV,
+                          G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                          IEEE: tl.constexpr, USE_FOR: tl.constexpr, S: tl.constexpr):
+        # one program = one request x BLOCK_Q query tokens x one KV head (all G query
+        # heads of it: M >= BLOCK_Q * G rows, GQA packed like unified_attention) x one
+        # of S key splits (S > 1: partial softmax state to PM/PL/PACC, then _combine)
+        r = tl.program_id(0)
+        qb = tl.program_id(1)
+        kvh = tl.program_id(2) // S
+        sp = tl.program_id(2) % S
+        q0 = tl.load(QSL + r)
+        q_len = tl.load(QSL + r + 1) - q0
+        if qb * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(SEQ + r)
+        ctx = seq_len - q_len
+        qi, h, row_ok, d, dm, tok, q = query_rows(Q, q0, q_len, qb, kvh, s_qt, s_qh,
+                                                   G, BLOCK_Q, M, D, DP)
+        m = tl.arange(0, M)
+        has = tl.load(HAS + r) != 0
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, DP], tl.float32)
+        # ancestors precede their descendants: no row of this block sees past kend
+        hi = (qb + 1) * BLOCK_Q
+        kend = ctx + q_len
+        if hi < q_len:
+            kend = ctx + hi
+        bt_row = BT + r.to(tl.int64) * s_bt
+        mask_row = MASK + r.to(tl.int64) * s_mr
+        # this split's keys: whole tiles, [k_lo, k_hi)
+        per = (kend + BLOCK_N * S - 1) // (BLOCK_N * S) * BLOCK_N
+        k_lo = sp * per
+        k_hi = k_lo + per
+        if kend < k_hi:
+            k_hi = kend
+        if USE_FOR:  # compiled: a for loop (software-pipelined)
+            for start in range(k_lo, k_hi, BLOCK_N):
+                m_i, l_i, acc = _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi,
+                                      row_ok, d, dm, ctx, k_hi, has, s_kb, s_kt, s_kh, s_vb,
+                                      s_vt, s_vh, s_mi, scale, kvh, block_size,
+                                      BLOCK_N, IEEE)
+        else:  # the CPU interpreter cannot take a loaded loop bound in range()
+            start = k_lo
+            while start < k_hi:
+                m_i, l_i, acc = _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi,
+                                      row_ok, d, dm, ctx, k_hi, has, s_kb, s_kt, s_kh, s_vb,
+                                      s_vt, s_vh, s_mi, scale, kvh, block_size,
+                                      BLOCK_N, IEEE)
+                start += BLOCK_N
+        if S == 1:
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            out = acc / l_safe[:, None]
+            tl.store(O + tok[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
+                     out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+        else:
+            part = ((r.to(tl.int64) * NQB + qb) * NKV + kvh) * S + sp
+            tl.store(PM + part * M + m, m_i)
+            tl.store(PL + part * M + m, l_i)
+            tl.store(PACC + (part * M + m)[:, None] * DP + d[None, :], acc)
+
+    @triton.jit
+    def _combine(O, QSL, PM, PL, PACC, s_ot, s_oh, NQB, NKV,
+                 G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                 DP: tl.constexpr, S: tl.constexpr):
+        r = tl.program_id(0)
+        qb = tl.program_id(1)
+        kvh = tl.program_id(2)
+        q0 = tl.load(QSL + r)
+        q_len = tl.load(QSL + r + 1) - q0
+        if qb * BLOCK_Q >= q_len:
+            return
+        qi, h, row_ok, d, dm, tok = row_index(q0, q_len, qb, kvh, G, BLOCK_Q, M, D, DP)
+        m = tl.arange(0, M)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, DP], tl.float32)
+        base = ((r.to(tl.int64) * NQB + qb) * NKV + kvh) * S
+        for sp in tl.static_range(S):
+            ms = tl.load(PM + (base + sp) * M + m)
+            ls = tl.load(PL + (base + sp) * M + m)
+            accs = tl.load(PACC + ((base + sp) * M + m)[:, None] * DP + d[None, :])
+            m_i, l_i, acc = merge_state(m_i, l_i, acc, ms, ls, accs)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(O + tok[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+
+
+def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_start_loc,
+           has_tree, mask, scale: float, max_query_len: int, num_kv_heads: int,
+           block_n: int | None = None, splits: int | None = None, block_q: int | None = None,
+           num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """query/output [T, Hq, D] (or [T, Hq*D]); key/value_cache [blocks, block_size,
+    Hkv, D]; block_table [R, max_blocks]; seq_lens [R]; query_start_loc [R + 1];
+    has_tree [>= R] int32; mask [>= R, rows, rows] int8 (last dim contiguous).
+
+    Small batches split the keys over S programs (flash-decoding style) so the GPU is
+    filled; S depends on the launch shape only (CUDA-graph safe: each program derives
+    its key range from the loaded sequence length)."""
+    num_reqs = query_start_loc.shape[0] - 1
+    d = key_cache.shape[-1]
+    hq = query.shape[1] if query.dim() == 3 else query.shape[1] // d
+    q = head_view(query, hq)
+    o = head_view(output, hq)
+    g = hq // num_kv_heads
+    cfg = pick_config(num_reqs * max(int(max_query_len), 1))
+    block_q = block_q or cfg.get("block_q") or max(1, 64 // g)
+    block_n = block_n or cfg.get("block_n") or 64
+    splits = splits or cfg.get("splits") or None
+    num_warps = num_warps or cfg.get("num_warps") or 4
+    num_stages = num_stages or cfg.get("num_stages")
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    m = max(16, next_pow2(block_q * g))
+    dp = max(16, next_pow2(d))
+    nqb = triton.cdiv(max(int(max_query_len), 1), block_q)
+    progs = num_reqs * nqb * num_kv_heads
+    if splits is None:
+        splits = 1 if progs >= SPLIT_MIN_PROGRAMS else \
+            max(1, min(MAX_SPLITS, (2 * SPLIT_MIN_PROGRAMS) // max(progs, 1)))
+    if splits > 1:
+        n = progs * splits * m
+        pm = torch.empty(n, dtype=torch.float32, device=q.device)
+        pl = torch.empty(n, dtype=torch.float32, device=q.device)
+        pacc = torch.empty(n * dp, dtype=torch.float32, device=q.device)
+    else:
+        pm = pl = pacc = q  # unused
+    assert mask.stride(2) == 1
+    _tree_attn_kernel[(num_reqs, nqb, num_kv_heads * splits)](
+        q, key_cache, value_cache, o, block_table, seq_lens, query_start_loc, has_tree, mask,
+        pm, pl, pacc,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), mask.stride(0), mask.stride(1), float(scale),
+        key_cache.shape[1], nqb, num_kv_heads,
+        G=g, BLOCK_Q=block_q, M=m, BLOCK_N=block_n, D=d, DP=dp,
+        IEEE=query.dtype == torch.float32, USE_FOR=not interpreting(), S=splits,
+        num_warps=num_warps, **extra)
+    if splits > 1:
+        _combine[(num_reqs, nqb, num_kv_heads)](
+            o, query_start_loc, pm, pl, pacc, o.stride(0), o.stride(1), nqb, num_kv_heads,
+            G=g, BLOCK_Q=block_q, M=m, D=d, DP=dp, S=splits, num_warps=4)
+    return output
+
+
+def _check(impl) -> None:
+    window = getattr(impl, "sliding_window", None)
+    bad = []
+    if getattr(impl, "alibi_slopes", None) is not None:
+        bad.append("ALiBi")
+    if getattr(impl, "logits_soft_cap", None):
+        bad.append("softcap")
+    if getattr(impl, "sinks", None) is not None:
+        bad.append("attention sinks")
+    if str(getattr(impl, "kv_cache_dtype", "auto")) not in ("auto", "None"):
+        bad.append("quantised KV cache")
+    if window not in (None, -1, (-1, -1), [-1, -1]):
+        bad.append("sliding window")
+    if getattr(impl, "dcp_world_size", 1) > 1:
+        bad.append("decode context parallelism")
+    if bad:
+        raise NotImplementedError("DDTree tree attention supports plain full attention in "
+                                  "the target; this model uses " + ", ".join(bad))
+
+
+def split_kv(kv_cache: torch.Tensor, layout: str, head_size: int):
+    """(key_cache, value_cache) as [num_blocks, block_size, kv_heads, head_size] views.
+
+    "kv_outer": [2, blocks, block_size, heads, D] (vLLM 0.20.x FA / Flex);
+    "heads_packed": [blocks, heads, block_size, 2 * D] (0.32/0.33 FA / Triton)."""
+    if layout == "kv_outer":
+        return kv_cache.unbind(0)
+    if layout == "heads_packed":
+        return kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    raise ValueError(f"unknown KV cache layout {layout!r}")
+
+
+def tree_attention(impl, layer, query, key, value, kv_cache, md, output, backend="",
+                   layout="kv_outer"):
+    """The backends' forward for metadata marked by the DDTree runtime (``md.ddtree``
+    is the runtime's TreeState).  K/V of this step are already in ``kv_cache``."""
+    if not getattr(impl, "_ddtree_checked", False):
+        _check(impl)
+        impl._ddtree_checked = True
+    state = md.ddtree
+    key_cache, value_cache = split_kv(kv_cache, layout, impl.head_size)
+    if key is not None and value is not None and use_split(md):  # None: KV sharing
+        return _split(impl, query, key, value, key_cache, value_cache, md, output, state,
+                      backend)
+    return launch(query, key_cache, value_cache, output, md.block_table, md.seq_lens,
+                  md.query_start_loc, state.has_tree, state.mask, impl.scale,
+                  md.max_query_len, impl.num_kv_heads)
+
+
+# Split tree attention (split_attention.py): the context through the backend's
+# FlashAttention (or our Triton prefix kernel), only the tree through Triton.
+# VLLM_DDTREE_SPLIT_ATTN: "auto" (default) splits batches of >= SPLIT_MIN_REQS requests,
+# where it is much faster (H200: 1.13x FA3 vs 7.7x for the single kernel at 16 requests,
+# context 4096); at batch 1 the single kernel is as fast.  "1": always, "0": never.
+SPLIT = os.environ.get("VLLM_DDTREE_SPLIT_ATTN", "auto").strip().lower()
+SPLIT_MIN_REQS = 4
+
+
+def use_split(md) -> bool:
+    """Decided from the launch shape only (the batch's request count), so a captured
+    CUDA graph always replays the path it was captured with."""
+    if SPLIT in ("1", "true", "on"):
+        return True
+    if SPLIT == "auto":
+        return md.query_start_loc.shape[0] - 1 >= SPLIT_MIN_REQS
+    return False
+
+
+def _split(impl, query, key, value, key_cache, value_cache, md, output, state, backend):
+    from .split import context_lens, split_tree_attention
+
+    ctx = getattr(md, "_ddtree_ctx", None)
+    if ctx is None:  # once per step, shared by the layers of this metadata
+        ctx = context_lens(md.seq_lens, md.query_start_loc)
+        md._ddtree_ctx = ctx
+    fa = backend == "flash_attn" and query.dtype != torch.float32
+    return split_tree_attention(
+        query, key, value, key_cache, value_cache, output, md.block_table, md.seq_lens,
+        md.query_start_loc, state.has_tree, state.mask, impl.scale, md.max_query_len,
+        md.max_seq_len, impl.num_kv_heads, prefix="fa" if fa else "triton", ctx_lens=ctx,
+        fa_version=getattr(impl, "vllm_flash_attn_version", None) or 3,
+        num_splits=getattr(md, "max_num_splits", 0) or 0)

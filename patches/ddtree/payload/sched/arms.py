@@ -1,0 +1,342 @@
+"""The tree or the chain, chosen by tokens/s per batch size (V2 runner).
+
+vLLM's scheduler picks how many drafts the next step verifies from the batch size (its
+``dynamic_sd_lookup``, built from num_speculative_tokens_per_batch_size).  With
+``ddtree_budget_control='auto'`` on the V2 runner (DDTree's default there) every batch
+size whose budget is a tree (k > C, C = ddtree_chain_budget) gets two arms: the tree
+(k drafts) and the chain (C drafts: a chain step, v2_runtime.py).  ``ArmLookup``
+answers the scheduler's lookup with the arm that delivered more tokens per second at
+that batch size, on the scheduler's own clock (the time between two step outputs), and
+plays the other arm for a few steps now and then, so a change of acceptance (another
+prompt, another drafter) is seen.  Both arms are lossless: the choice moves speed only.
+
+Tokens/s of an arm = tokens per step / seconds per step.  Seconds per step are
+measured here (stable from a few steps).  Tokens per step, measured on each arm's own
+steps, are too noisy to compare arms over a few steps (one step's accepted length
+varies as much as its mean), so where the worker runs in this process (vLLM's
+in-process executor: one GPU) it publishes both arms' tokens measured on the same tree
+steps (v2_arms.py: the chain's accepted length is read off the tree step's output;
+EXPECTED); elsewhere (TP > 1) the measured tokens stand in.  The verify width is fixed a step
+ahead (async scheduling), so the choice is per batch size, not per step as on V1
+(core/budget.py).  Where both counts are published, the tree leads only while its
+edge over the chain exceeds Z standard errors of the paired estimate (SPREAD): the
+chain is the safe side of a close call (H200, run 10: p80 at two requests, the tree
+picked on an edge within its noise ran 0.89-0.91x the chain).  Else (measured tokens)
+the other arm must beat the leader by MARGIN.  The first steps of each arm
+calibrate (MIN_STEPS; MIN_PAIRED with paired counts, where the tree's steps give the
+chain's tokens too); after that, a choice holds WINDOW steps, and every EXPLORE-th
+choice (4 x EXPLORE once both arms have WELL steps and one is clearly ahead: by 2 Z
+standard errors, or by CLEAR on measured tokens; EXPLORE / 4 while the tree may lead
+but not clearly) plays the other arm.  A step time is the median of an arm's last
+RECENT steps, the first step after a switch left out (H200, run 8: at one request the
+tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of another run 7.9
+ms; the cause was not found).  That first step's excess over the new arm's median is
+the switch's cost (summary: switch_ms); where it is positive a choice holds long
+enough that a switch costs at most SWITCH_SHARE of its steps (simulated with 5 ms a
+switch, bench/arms_sim.py: 0.964-0.968 -> 0.977-0.981 of the chain where the chain
+wins).  VLLM_DDTREE_ARMS="window,explore" overrides WINDOW and EXPLORE and pins the
+window (tests); a bad value is refused at engine configuration.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections import deque
+
+from .. import log
+
+WINDOW = 4
+EXPLORE = 16
+CLEAR = 1.15
+MIN_STEPS = 4  # calibration steps per arm on measured tokens
+MIN_PAIRED = 2  # and where the worker half publishes paired counts (PAIRED)
+WELL = 12  # steps of the less played arm before exploring less than every EXPLORE-th
+RECENT = 16  # step times kept per arm
+DECAY = 0.97  # weight of older steps, per step of the same arm
+MARGIN = 1.02  # measured tokens: the other arm must beat the leader by 2 % to lead
+SWITCH_SHARE = 0.1  # a choice holds long enough that a measured switch costs <= 10 %
+Z = 1.0  # published counts: the tree leads only where its edge exceeds Z std errors
+LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
+
+
+def _knobs() -> tuple[int, int]:
+    """(WINDOW, EXPLORE), or VLLM_DDTREE_ARMS's; ValueError for a bad value."""
+    raw = os.environ.get("VLLM_DDTREE_ARMS", "").strip()
+    if not raw:
+        return WINDOW, EXPLORE
+    try:
+        w, e = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(f"VLLM_DDTREE_ARMS must be 'window,explore' (two integers >= 1), "
+                         f"got {raw!r}") from None
+    if w < 1 or e < 2:
+        raise ValueError(f"VLLM_DDTREE_ARMS: window >= 1 and explore >= 2, got {raw!r}")
+    return w, e
+
+
+# set by the worker half (v2_arms.ArmExpect) when it runs in this process: its paired
+# counts will be published, so each arm needs fewer steps of its own to start
+PAIRED = False
+
+# batch size -> (tokens per request-step of the tree, of the chain), both measured on
+# the same tree steps and published by the worker in this process (v2_arms.py)
+EXPECTED: dict[int, tuple[float, float]] = {}
+
+
+# batch size -> (var of the tree's count, var of the chain's, their covariance, rows):
+# the spread of the paired counts per request-step, for the choice's error bar (rows:
+# the effective number of the decayed rows, (sum w)^2 / sum w^2)
+SPREAD: dict[int, tuple[float, float, float, float]] = {}
+
+
+# batch size -> {b: tokens per request-step of the best tree of b nodes}, priced on the
+# same tree steps (v2_arms.py; reported in summary(), not chosen)
+SUBTREES: dict[int, dict[int, float]] = {}
+
+
+def publish(rows, subtrees=()) -> None:
+    """rows[n] = [tree accepted sum, rows, chain accepted sum, rows, sums of tree^2,
+    chain^2, tree x chain and of the rows' squared weights, then one accepted sum per
+    subtree size in ``subtrees``] (v2_arms.py; both counts come from the same rows)."""
+    for n, row in enumerate(rows):
+        t, tn, c, cn, t2, c2, tc, w2 = row[:8]
+        if tn > 0 and cn > 0:
+            EXPECTED[n] = (1.0 + t / tn, 1.0 + c / cn)
+            mt, mc = t / tn, c / tn
+            SPREAD[n] = (max(t2 / tn - mt * mt, 0.0), max(c2 / tn - mc * mc, 0.0),
+                         tc / tn - mt * mc, tn * tn / w2 if w2 > 0 else tn)
+            if subtrees:
+                SUBTREES[n] = {b: 1.0 + s / tn for b, s in zip(subtrees, row[8:])}
+
+
+class Arm:
+    """One arm at one batch size: decayed sums of its output tokens and seconds, and
+    its recent step times (their median is its step time: robust to a slow step)."""
+
+    __slots__ = ("tokens", "seconds", "steps", "recent")
+
+    def __init__(self):
+        self.tokens = self.seconds = 0.0
+        self.steps = 0
+        self.recent = deque(maxlen=RECENT)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * DECAY + tokens
+        self.seconds = self.seconds * DECAY + seconds
+        self.recent.append(seconds)
+        self.steps += 1
+
+    @property
+    def rate(self) -> float:
+        """Measured output tokens per second."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def step_s(self) -> float:
+        """Median seconds per step over the last RECENT steps."""
+        return statistics.median(self.recent) if self.recent else 0.0
+
+
+class ArmLookup(list):
+    """vLLM's lookup (index = number of scheduled requests -> drafts), with the tree
+    batch sizes answered by the arm choice.  ``observe`` takes each step's output."""
+
+    def __init__(self, lookup, chain: int, clock=time.perf_counter):
+        super().__init__(lookup)
+        self.chain = chain
+        self.window, self.explore = _knobs()
+        # VLLM_DDTREE_ARMS pins the window (tests that switch at every step keep doing so)
+        self.pinned = bool(os.environ.get("VLLM_DDTREE_ARMS", "").strip())
+        self.clock = clock
+        # batch size -> (tree drafts, chain drafts), for the sizes whose budget is a tree
+        self.arms = {n: (k, chain) for n, k in enumerate(lookup) if n and k > chain >= 1}
+        self.stats = {(n, k): Arm() for n, ks in self.arms.items() for k in ks}
+        self.current = {n: ks[0] for n, ks in self.arms.items()}
+        self.hold = dict.fromkeys(self.arms, 0)
+        self.choices = dict.fromkeys(self.arms, 0)
+        self.leader = {n: ks[0] for n, ks in self.arms.items()}
+        self.picked = {key: 0 for key in self.stats}  # choices made, per arm
+        self._last = None  # clock at the previous output, when that step was a decode
+        self._logged = clock()
+        self._width: dict[int, int] = {}  # batch size -> drafts of its last decode step
+        # batch size -> [switches measured, the last RECENT first steps' excess seconds]
+        self.switches: dict[int, list] = {}
+        EXPECTED.clear()  # a new engine: nothing of an earlier one's drafter
+        SPREAD.clear()
+        SUBTREES.clear()
+
+    def __getitem__(self, n):
+        if type(n) is int and n in self.arms:
+            return self.choose(n)
+        return super().__getitem__(n)
+
+    def choose(self, n: int) -> int:
+        if self.hold[n] > 0:
+            self.hold[n] -= 1
+            return self.current[n]
+        tree, chain = self.arms[n]
+        t, c = self.stats[(n, tree)], self.stats[(n, chain)]
+        least = MIN_PAIRED if PAIRED else MIN_STEPS
+        if t.steps < least:
+            pick = tree
+        elif c.steps < least:
+            pick = chain
+        else:
+            rate = self.rates(n)
+            lead = self.leader[n]
+            other = chain if lead == tree else tree
+            edge = self.edge(n)
+            if edge is not None:  # paired counts: the tree only where it clearly leads
+                lead, other = (tree, chain) if edge > Z else (chain, tree)
+            elif rate[other] > MARGIN * rate[lead]:
+                lead, other = other, lead
+            self.leader[n] = best = lead
+            lo = min(rate.values())
+            known = min(t.steps, c.steps) >= WELL
+            clear = abs(edge) > 2 * Z if edge is not None else \
+                lo > 0 and max(rate.values()) > CLEAR * lo
+            period = self.explore * (4 if known and clear else 1)
+            if edge is not None and 0 < edge <= Z:  # the tree may lead: look again soon
+                period = max(2, self.explore // 4)
+            self.choices[n] += 1
+            pick = other if self.choices[n] % period == 0 else best
+        self.current[n] = pick
+        self.hold[n] = self._window(n) - 1
+        self.picked[(n, pick)] += 1
+        return pick
+
+    def _window(self, n: int) -> int:
+        """Steps a choice holds: WINDOW, or as many as make a measured switch cost at
+        most SWITCH_SHARE of them (up to 4 x WINDOW); VLLM_DDTREE_ARMS's, fixed."""
+        excess = self.switch_s(n)
+        steps = [self.stats[(n, k)].step_s for k in self.arms[n]]
+        if self.pinned or excess is None or excess <= 0 or min(steps) <= 0:
+            return self.window
+        per = excess / (SWITCH_SHARE * min(steps))
+        return max(self.window, min(4 * self.window, math.ceil(per)))
+
+    def switch_s(self, n: int) -> float | None:
+        """What a switch costs at batch size n beyond the new arm's step (median of the
+        last RECENT measured; robust to one slow step), None before 2 are measured."""
+        sw = self.switches.get(n)
+        return statistics.median(sw[1]) if sw and len(sw[1]) >= 2 else None
+
+    def rates(self, n: int) -> dict[int, float]:
+        """Tokens/s per arm at batch size n: the worker's expected tokens per step over
+        the measured step time when published (EXPECTED), else the measured tokens."""
+        ks = self.arms[n]
+        exp = EXPECTED.get(n)
+        if exp is None:
+            return {k: self.stats[(n, k)].rate for k in ks}
+        return {k: e / s.step_s if s.step_s > 0 else 0.0
+                for k, e, s in zip(ks, exp, (self.stats[(n, k)] for k in ks))}
+
+    def edge(self, n: int) -> float | None:
+        """The tree's lead over the chain in tokens/s per request, in standard errors of
+        the paired counts (SPREAD), or None before both counts and step times are
+        known."""
+        exp, spread = EXPECTED.get(n), SPREAD.get(n)
+        tree, chain = self.arms[n]
+        a, b = self.stats[(n, tree)].step_s, self.stats[(n, chain)].step_s
+        if exp is None or spread is None or a <= 0 or b <= 0:
+            return None
+        vt, vc, cov, rows = spread
+        diff = exp[0] / a - exp[1] / b
+        var = (vt / (a * a) + vc / (b * b) - 2 * cov / (a * b)) / max(rows, 1.0)
+        if var <= 0:  # no spread (a random drafter: one token a step on both arms)
+            return math.copysign(math.inf, diff) if diff else 0.0
+        return diff / math.sqrt(var)
+
+    def observe(self, scheduler_output, model_runner_output) -> None:
+        """A step's output: for a pure decode step (every request verifies the same k
+        drafts) whose previous step was one too, the tokens it emitted over the time
+        since that step's output go to the arm (batch size, k).  An output it cannot
+        read turns the choice off (the fixed schedule answers), with one warning: the
+        scheduler must never fail for it."""
+        if not self.arms:
+            return
+        try:
+            self._observe(scheduler_output, model_runner_output)
+        except Exception as e:  # noqa: BLE001
+            self.arms = {}
+            _log(f"turned off (fixed schedule from now on): cannot read a step output: "
+                 f"{e!r}", warn=True)
+
+    def _observe(self, scheduler_output, model_runner_output) -> None:
+        now = self.clock()
+        last, self._last = self._last, None
+        sched = scheduler_output.num_scheduled_tokens
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        n = len(sched)
+        if not n or len(drafts) != n:
+            return
+        k = None
+        for req, num in sched.items():
+            d = drafts.get(req)
+            if d is None or (k is not None and len(d) != k) or num != 1 + len(d):
+                return
+            k = len(d)
+        self._last = now
+        arm = self.stats.get((n, k))
+        switched, self._width[n] = self._width.get(n) != k, k
+        if arm is None or last is None:
+            return
+        if switched:  # the first step after a switch may hold the other arm's tail: not
+            if arm.recent:  # an arm step, but its excess over the arm's median is kept
+                sw = self.switches.setdefault(n, [0, deque(maxlen=RECENT)])
+                sw[0] += 1
+                sw[1].append((now - last) - arm.step_s)
+            return
+        sampled = model_runner_output.sampled_token_ids or []
+        arm.add(sum(len(x) for x in sampled), now - last)
+        if now - self._logged > LOG_EVERY:
+            self._logged = now
+            _log(self.summary())
+
+    def summary(self) -> dict:
+        """Per tree batch size: each arm's measured tokens/s and ms per step, steps
+        seen, times chosen, and (when published) the expected tokens per step, the
+        tree's "edge" in standard errors, the measured "switches" and what one costs
+        beyond the new arm's step ("switch_ms": switch_s), and under "subtrees" the
+        tokens of smaller trees priced on the same steps."""
+        out = {}
+        for n, ks in self.arms.items():
+            exp = EXPECTED.get(n, (None, None))
+            out[n] = {("tree" if k == ks[0] else "chain") + f" {k}": {
+                "tok_per_s": round(self.stats[(n, k)].rate, 1),
+                "ms": round(1e3 * self.stats[(n, k)].step_s, 3),
+                "expected": None if e is None else round(e, 3),
+                "steps": self.stats[(n, k)].steps, "chosen": self.picked[(n, k)]}
+                for k, e in zip(ks, exp)}
+            edge = self.edge(n)
+            if edge is not None:
+                out[n]["edge"] = round(max(-99.0, min(99.0, edge)), 2)
+            if self.switch_s(n) is not None:  # a switch's cost beyond the new arm's step
+                out[n]["switches"] = self.switches[n][0]
+                out[n]["switch_ms"] = round(1e3 * self.switch_s(n), 3)
+            if n in SUBTREES:
+                out[n]["subtrees"] = {b: round(v, 3) for b, v in SUBTREES[n].items()}
+        return out
+
+
+def _log(what, warn: bool = False) -> None:
+    log(__name__, "DDTree tree vs chain by batch size: %s", what, warn=warn)
+
+
+def wrap_lookup(scheduler, lookup):
+    """Scheduler.__init__ hook: the arm lookup when DDTree's controller runs on the V2
+    runner and some batch size verifies a tree, else ``lookup`` unchanged."""
+    cfg = getattr(scheduler, "vllm_config", None)
+    spec = getattr(cfg, "speculative_config", None)
+    if lookup is None or getattr(spec, "ddtree_budget", None) is None or \
+            getattr(spec, "ddtree_budget_control", None) != "auto":
+        return lookup
+    from ..config import _uses_v2
+
+    if not _uses_v2(cfg):
+        return lookup
+    arms = ArmLookup(lookup, getattr(spec, "ddtree_chain_budget", None) or 0)
+    return arms if arms.arms else lookup

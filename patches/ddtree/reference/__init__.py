@@ -1,0 +1,1 @@
+"""Oracles and baselines of the DDTree algorithms; never shipped into vLLM."""
