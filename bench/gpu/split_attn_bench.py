@@ -37,7 +37,6 @@ def payload(name: str):
     if "ddtree_bench_pkg" not in sys.modules:
         tmp = Path(tempfile.mkdtemp(prefix="ddtree_bench_"))
         shutil.copytree(ROOT / "patches" / "ddtree" / "payload", tmp / "ddtree_bench_pkg")
-        shutil.copytree(ROOT / "ddtree_patcher" / "core", tmp / "ddtree_bench_pkg" / "core")
         sys.path.insert(0, str(tmp))
     return importlib.import_module(f"ddtree_bench_pkg.{name}")
 
@@ -96,8 +95,8 @@ def main():
 
     os.makedirs(args.out_dir, exist_ok=True)
     core = payload("core")
-    ca = payload("cuda_attention")
-    sa = payload("split_attention")
+    ca = payload("attention.triton_tree")
+    sa = payload("attention.split")
     fa, why = load_fa()
     if fa is None:
         print(f"NOTE: vLLM's flash attention is not importable ({why}); the FA3 baseline "

@@ -29,7 +29,7 @@ def _heap_build():
         from ddtree_patcher.patches.ddtree.reference.heap import heap_build
     except ImportError:  # run from a checkout without the package installed
         sys.path.insert(0, str(ROOT))
-        from ddtree_patcher.patches.ddtree.reference.heap import heap_build
+        from patches.ddtree.reference.heap import heap_build
     return heap_build
 
 

@@ -163,10 +163,10 @@ def setup(vllm_cpu_python, hybrid, tmp_path_factory):
 def _break_tree_path(site: Path) -> None:
     """Make the payload read every tree as one linear sequence (what stock vLLM does
     with the tree's rows).  The file is replaced, not written in place."""
-    path = site / "vllm" / "v1" / "spec_decode" / "ddtree" / "gdn.py"
+    path = site / "vllm" / "v1" / "spec_decode" / "ddtree" / "gdn" / "cpu.py"
     text = path.read_text()
     line = "        parents[j, :d] = step.tree.parents[i, :d].cpu()\n"
-    assert line in text, "gdn.py changed: update _break_tree_path"
+    assert line in text, "gdn/cpu.py changed: update _break_tree_path"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text.replace(line, "        parents[j, :d] = torch.arange(-1, d - 1)\n"))
     os.replace(tmp, path)

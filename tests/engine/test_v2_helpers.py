@@ -86,7 +86,6 @@ def _fake_cpu_triton_backend() -> None:
 def _payload_package() -> str:
     tmp = Path(tempfile.mkdtemp(prefix="ddtree_v2_helpers_"))
     shutil.copytree(ROOT / "patches" / "ddtree" / "payload", tmp / "ddtree_v2pkg")
-    shutil.copytree(ROOT / "ddtree_patcher" / "core", tmp / "ddtree_v2pkg" / "core")
     sys.path.insert(0, str(tmp))
     return "ddtree_v2pkg"
 

@@ -7,7 +7,7 @@ distributions, ``proposer`` builds the best tree of B nodes (``core.build_tree``
 the target verifies the whole tree in one pass (tree positions + ancestor-only
 attention, ``runtime`` / ``cpu_attention``), and ``sampler`` walks it (greedy or
 lossless sampling), after which ``runtime`` compacts the accepted path's KV.
-``core`` is a verbatim copy of ddtree_patcher.core (torch + optional Triton).
+``core`` holds the algorithms (torch + optional Triton, no vllm import).
 """
 
 

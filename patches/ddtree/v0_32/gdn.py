@@ -1,5 +1,5 @@
 """ddtree-gdn hooks for vLLM 0.32.0 and 0.33.0: with DDTree on, the speculative steps
-of Gated DeltaNet layers on the CPU backend run the tree path (payload/gdn.py).
+of Gated DeltaNet layers on the CPU backend run the tree path (payload/gdn/cpu.py).
 
 * ops/cpu/gdn_attention.py: at the top of ``_spec_forward`` (the CPU backend's GDN
   core for the speculative tokens, once per GDN layer and step).

@@ -375,8 +375,8 @@ def control_mode(spec) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """python -m ddtree_patcher.core.budget STEP_BENCH.json ...   -> a cost table
-    python -m ddtree_patcher.core.budget schedule STEP_BENCH.json --tau 16=4.7,64=6.0
+    """python -m ddtree_patcher.patches.ddtree.payload.core.budget STEP_BENCH.json ...   -> a cost table
+    python -m ddtree_patcher.patches.ddtree.payload.core.budget schedule STEP_BENCH.json --tau 16=4.7,64=6.0
         [--chain-tau 4.5] [--max-batch 64]                         -> a budget schedule
     (JSON on stdout)."""
     if argv[:1] != ["schedule"]:
@@ -384,7 +384,7 @@ def main(argv: list[str]) -> int:
         return 0
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m ddtree_patcher.core.budget schedule")
+    ap = argparse.ArgumentParser(prog="python -m ddtree_patcher.patches.ddtree.payload.core.budget schedule")
     ap.add_argument("step_bench", nargs="+")
     ap.add_argument("--tau", required=True, help="budget=tokens per step, comma-separated")
     ap.add_argument("--chain-tau", type=float, default=None)

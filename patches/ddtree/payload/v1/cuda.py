@@ -3,7 +3,7 @@ step order as ``runtime.DDTreeRuntime`` (the CPU one), built for speed and CUDA 
 
 * no host syncs and few launches: per request, the host packs [drafts | stored-tree
   index | root row | draft tokens] (numpy, from what it already knows) into one pinned,
-  non-blocking copy; ``v1_step.prepare`` / ``v1_step.commit`` do the rest in one
+  non-blocking copy; ``step_kernels.prepare`` / ``step_kernels.commit`` do the rest in one
   Triton launch each (``_prepare_torch`` / ``_commit_torch``: their torch reference,
   used where Triton is not);
 * the tree attention reads its inputs from ``TreeState`` (fixed addresses), filled in
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import step as v1_step
+from ..core import step as step_kernels
 from ..core import DDTree, compact_kv
 from ..core._triton import HAS_TRITON, interpreting
 from ..attention.triton_tree import TreeState
@@ -67,7 +67,7 @@ class CudaStep:
     def __init__(self, num_drafts, tree, pack, n, fix=None):
         self.num_drafts = num_drafts  # list[int] per batch row (the sampler checks it)
         self.tree = tree  # DDTree [n, dmax]: scheduled tokens, parents, num_nodes
-        self.pack = pack  # device int64 [nd | prev | roots], see v1_step.py
+        self.pack = pack  # device int64 [nd | prev | roots], see core/step.py
         self.roots = pack[2 * n: 3 * n]  # token row of each root, -1 = no drafts
         self.fix = fix  # torch path: (tok_rows, root_rows, j) of the tree-position rows
 
@@ -85,7 +85,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         self._host = torch.zeros(cap, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(cap, dtype=torch.int64, device=dev)
-        # fused Triton bookkeeping (v1_step.py) on CUDA; the torch path elsewhere
+        # fused Triton bookkeeping (core/step.py) on CUDA; the torch path elsewhere
         self.fused = HAS_TRITON and (torch.device(dev).type == "cuda" or interpreting())
         width = self.max_reqs * max(self.budget, 1)
         self._wpar = torch.zeros(width, dtype=torch.int64, device=dev)
@@ -157,7 +157,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         fix = None
         if self.fused:
             parents = self._wpar[: n * width].view(n, width)
-            v1_step.prepare(pack, n, width, tree if with_tree else None, runner.positions,
+            step_kernels.prepare(pack, n, width, tree if with_tree else None, runner.positions,
                               self.state.has_tree, self.state.mask, parents)
         else:
             parents, fix = self._prepare_torch(pack, n, width, nd, prev, roots, tree)
@@ -171,7 +171,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         self.step = CudaStep(nd.tolist(), walk_tree, pack, n, fix)
 
     def _prepare_torch(self, pack, n, width, nd, prev, roots, tree):
-        """Reference of v1_step.prepare (torch indexing; used where Triton is not)."""
+        """Reference of step_kernels.prepare (torch indexing; used where Triton is not)."""
         dev = pack.device
         st = self.state
         has = torch.zeros(self.max_reqs, dtype=st.has_tree.dtype, device=dev)
@@ -277,14 +277,14 @@ class CudaDDTreeRuntime(DDTreeRuntime):
             return self._commit_torch(step, walk, aux_hidden_states)
         pack = step.pack
         n = pack.shape[0] // 3
-        rows, nacc, src, dst, start, neff = v1_step.commit_views(
+        rows, nacc, src, dst, start, neff = step_kernels.commit_views(
             walk, n, pack.device, self._src, self._dst, self._start, self._neff)
-        v1_step.commit(pack, n, rows, nacc, runner.positions, runner.input_ids.gpu, src,
+        step_kernels.commit(pack, n, rows, nacc, runner.positions, runner.input_ids.gpu, src,
                          dst, start, neff)
         if walk is None:
             return
         if aux_hidden_states:  # the drafter's context: path rows first
-            v1_step.move_rows(list(aux_hidden_states), src, dst)
+            step_kernels.move_rows(list(aux_hidden_states), src, dst)
         block_table = runner.input_batch.block_table[self._group].get_device_tensor(n)
         compact_kv(self._target_caches(), block_table, self._block_size, start, rows, neff,
                    self._layout)

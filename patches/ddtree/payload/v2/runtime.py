@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..v1 import step as v1_step
+from ..core import step as step_kernels
 from . import step as v2_step
 from ..core import DDTree, compact_kv
 from ..attention.triton_tree import TreeState
@@ -251,7 +251,7 @@ class V2DDTree:
                 self.stats.observe_chain(step.pack[: step.n], walk.num_accepted)
             return
         n, dev = step.n, step.pack.device
-        rows, nacc, src, dst, start, neff = v1_step.commit_views(
+        rows, nacc, src, dst, start, neff = step_kernels.commit_views(
             walk, n, dev, self._src, self._dst, self._start, self._neff)
         v2_step.commit(step.pack, n, rows, nacc, input_batch.positions, input_batch.input_ids,
                        src, dst, start, neff, self.fused)

@@ -5,14 +5,14 @@ tokens on the GPU (``req_states.draft_tokens[slot]``).  The DDTree speculator st
 tree behind those tokens by slot too (``SlotTrees``).  A verify step then needs, per
 batch row, without a host sync:
 
-  * ``build_pack``: PACK = [nd | prev | roots] (int64 [3n], the layout v1_step.py
+  * ``build_pack``: PACK = [nd | prev | roots] (int64 [3n], the layout core/step.py
     reads): tree nodes verified (0: no tree), slot of the stored tree (-1: none), token
     row of the root (-1: none).  A row verifies a tree iff it has drafts and its root
     lies past the prompt (V2 treats draft rows of a step that starts inside the
     prefill as placeholders and rejects them).  A chain step (``chain``) verifies such
     a row's drafts as a chain: nd = its drafts, prev = roots = -1 (linear positions,
     causal attention, a chain walk, nothing to move);
-  * ``prepare`` / ``commit``: v1_step.prepare / commit (one Triton launch each) or
+  * ``prepare`` / ``commit``: step_kernels.prepare / commit (one Triton launch each) or
     their torch references here: tree positions, TreeState rows, walk parents; then
     positions back to linear and the accepted path's source/destination rows;
   * ``verify_rows``: the logits rows of each request (root, then node k);
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..v1 import step as v1_step
+from ..core import step as step_kernels
 from ..core._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
 
 UNIFORM_SALT = 0x5DD7EE  # keeps the walk's stream apart from other uses of a seed
@@ -114,7 +114,7 @@ def build_pack(pack, n, cu_num_logits, query_start_loc, positions, idx_mapping, 
 
 
 def prepare_torch(pack, n, width, trees, positions, has_tree, mask, walk_parents) -> None:
-    """Reference of v1_step.prepare: tree rows get position = root + depth, TreeState
+    """Reference of step_kernels.prepare: tree rows get position = root + depth, TreeState
     rows (has_tree, mask) come from the stored trees, the walk gets their parents
     (a chain for rows without a tree); has_tree rows >= n are cleared."""
     nd, prev, roots = pack[:n], pack[n: 2 * n], pack[2 * n: 3 * n]
@@ -138,7 +138,7 @@ def prepare_torch(pack, n, width, trees, positions, has_tree, mask, walk_parents
 
 def prepare(pack, n, width, trees, positions, has_tree, mask, walk_parents, fused: bool):
     if fused:
-        v1_step.prepare(pack, n, width, trees, positions, has_tree, mask, walk_parents)
+        step_kernels.prepare(pack, n, width, trees, positions, has_tree, mask, walk_parents)
     else:
         prepare_torch(pack, n, width, trees, positions, has_tree, mask, walk_parents)
 
@@ -147,7 +147,7 @@ def prepare(pack, n, width, trees, positions, has_tree, mask, walk_parents, fuse
 
 
 def commit_torch(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff) -> None:
-    """Reference of v1_step.commit: the first tree rows back to linear positions
+    """Reference of step_kernels.commit: the first tree rows back to linear positions
     (the kernel's block: next_pow2(W) rows, W = rows.shape[1] - 1 = the walk's depth;
     deeper rows are never accepted, so never read as context); per request the root
     position (start), the accepted count (neff) and the [n, W] source / destination
@@ -174,7 +174,7 @@ def commit_torch(pack, n, rows, nacc, positions, input_ids, src, dst, start, nef
 
 def commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff, fused: bool):
     if fused:
-        v1_step.commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff)
+        step_kernels.commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff)
     else:
         commit_torch(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff)
 
@@ -182,7 +182,7 @@ def commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff, fus
 def move_rows(hs, src, dst, fused: bool) -> None:
     """h[dst] = h[src] along the -1-padded path rows, for every h in hs."""
     if fused:
-        v1_step.move_rows(list(hs), src, dst)
+        step_kernels.move_rows(list(hs), src, dst)
         return
     ok = src >= 0
     s, d = src[ok], dst[ok]

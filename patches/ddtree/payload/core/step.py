@@ -11,14 +11,14 @@ the host work between two forwards stays small:
 
 ``PACK`` is the host-built int64 array [nd (n) | prev (n) | roots (n)]: drafts per
 request, index of its stored tree (-1: none) and token row of its root (-1: no
-drafts).  The torch versions in cuda_runtime.py are the reference (tests compare).
+drafts).  The torch versions in v1/cuda.py and v2/step.py are the references (tests compare).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..core._triton import HAS_TRITON, next_pow2, tl, triton
+from ._triton import HAS_TRITON, next_pow2, tl, triton
 
 if HAS_TRITON:
 
