@@ -18,6 +18,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
 export PYTHONPATH=/tmp/vb/vllm_slim:/tmp/vb/site:/tmp/ddt
 start=$(date +%s)
 stamp() { echo "=== $(($(date +%s) - start))s $*"; }
+# left T: a stage's timeout, at most what is left of LIMIT (default 580 s) minus 15 s
+left() { local r=$(( ${LIMIT:-580} - ($(date +%s) - start) - 15 )); [ "$r" -lt "$1" ] && echo $(( r > 5 ? r : 5 )) || echo "$1"; }
 DDT="python3 -m ddtree_patcher.cli"
 for s in ${STAGES:-install apply tests eq}; do
   case $s in
@@ -34,29 +36,29 @@ for s in ${STAGES:-install apply tests eq}; do
     apply)
       stamp apply
       (cd /tmp && $DDT status --python python3; $DDT apply --python python3; echo "apply rc=$?"
-       $DDT verify --python python3; echo "verify rc=$?") 2>&1 | tee "$OUT/apply_verify.txt" | tail -40 ;;
+       timeout $(left 300) $DDT verify --python python3; echo "verify rc=$?") 2>&1 | tee "$OUT/apply_verify.txt" | tail -40 ;;
     tests)
       stamp tests
-      timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gdn_cuda_path.py \
+      timeout $(left ${T_TESTS:-240}) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gdn_cuda_path.py \
         tests/gpu/test_gdn_tree.py 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt" ;;
     eq)
       stamp eq eager
-      timeout ${T_EQ:-400} python3 bench/gpu/equality_gdn.py "$OUT/eq_eager" \
+      timeout $(left ${T_EQ:-400}) python3 bench/gpu/equality_gdn.py "$OUT/eq_eager" \
         --rows "${EQ_ROWS:-ddtree,ddtree_n1,ddtree_n2,ddtree_default,ddtree_swa,ddtree_v1}" \
         > "$OUT/eq_eager.txt" 2>&1; echo "rc=$?"; grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/eq_eager.txt" | tail -40 ;;
     eqg)
       stamp eq graphs
-      timeout ${T_EQG:-540} python3 bench/gpu/equality_gdn.py "$OUT/eq_graphs" --graphs \
+      timeout $(left ${T_EQG:-540}) python3 bench/gpu/equality_gdn.py "$OUT/eq_graphs" --graphs \
         --rows "${EQG_ROWS:-ddtree,ddtree_n1,ddtree_default,ddtree_swa,ddtree_eager}" \
         > "$OUT/eq_graphs.txt" 2>&1; echo "rc=$?"; grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/eq_graphs.txt" | tail -40 ;;
     eqb)
       stamp eq bf16
-      timeout ${T_EQB:-400} python3 bench/gpu/equality_gdn.py "$OUT/eq_bf16" --dtype bfloat16 \
+      timeout $(left ${T_EQB:-400}) python3 bench/gpu/equality_gdn.py "$OUT/eq_bf16" --dtype bfloat16 \
         --rows "${EQB_ROWS:-ddtree,ddtree_v1,dflash}" > "$OUT/eq_bf16.txt" 2>&1; echo "rc=$?"
       grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/eq_bf16.txt" | tail -30 ;;
     bench)
       stamp gdn bench
-      timeout ${T_BENCH:-200} python3 bench/gpu/gdn_bench.py --out "$OUT/gdn_bench.json" 2>&1 | tail -30 ;;
+      timeout $(left ${T_BENCH:-200}) python3 bench/gpu/gdn_bench.py --out "$OUT/gdn_bench.json" 2>&1 | tail -30 ;;
   esac
 done
 stamp done
