@@ -3,7 +3,8 @@
 Layout: ``cli`` (click commands) -> ``engine`` (plan + transactional writes) over a
 ``target`` (the vLLM install found through its dist-info).  Transforms live in
 ``ddtree_patcher.patches`` (source folder ``patches/``), the smoke suite in
-``ddtree_patcher.verify`` (``verify/``), and the DDTree algorithms in ``core``.
+``ddtree_patcher.verify`` (``verify/``); the DDTree algorithms are part of the payload
+added to vLLM (``patches/ddtree/payload/core``; docs/DESIGN.md, "Layout").
 Importing this package pulls in nothing heavy (no click, libcst or torch).
 """
 

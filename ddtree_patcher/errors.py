@@ -1,6 +1,6 @@
 """Errors that end a command: each carries its exit code and the next step to take."""
 
-# Exit codes.  CODES is the documented table (README, docs/DESIGN.md, `--help`).
+# Exit codes.  CODES is the documented table (docs/cli.md, `--help`).
 OK = 0
 PENDING = 1  # apply --dry-run: changes pending; verify: a check failed
 USAGE = 2  # bad input: version, transform, flags, --python / --site-packages

@@ -2,7 +2,8 @@
 
 Everything else derives from it: the transforms' families (``V0_20``, ``V0_32``), the
 pre-image table (scripts/gen_preimages.py walks ``SUPPORTED`` x ``DISTS``), the CLI's
-version check and ``list``.  tests/cli/test_registry.py checks that they agree.
+version check and ``list``.  tests/cli/test_layout.py (test_one_version_registry) checks
+that they agree.
 """
 
 # Families of releases whose hook files are close enough for one set of edits.

@@ -1,6 +1,9 @@
 """Markdown tables and PNG plots from the H200 run's JSON files.
 
     python bench/gpu/report.py RESULTS_DIR [PLOT_DIR]
+    python bench/gpu/report.py bench/results/RUN.tar.xz[/SUBFOLDER] [PLOT_DIR]
+a run packed by bench/pack_results.py, unpacked to a temporary folder (e.g.
+bench/results/run3.tar.xz, bench/results/run12_033.tar.xz/c3).
 RESULTS_DIR holds step_bench.json, equality.json, kernel_bench.json (from run_all.sh) and
 optionally repeat/r*.json (the repeat stage: alternating fresh processes) and
 v2repeat/r*/step_bench.json (the v2repeat stage: the same on V2, with end-to-end runs).
@@ -344,6 +347,21 @@ def e2e_by_batch_plot(sb, plot_dir, tag):
 def main():
     d = sys.argv[1]
     plot_dir = sys.argv[2] if len(sys.argv) > 2 else None
+    archive, tar, sub = d.partition(".tar.xz")
+    if tar:  # a run packed by bench/pack_results.py (and a folder inside it)
+        import tempfile
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from pack_results import extract
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return report(os.path.join(extract(archive + tar, tmp), sub.strip("/")),
+                          plot_dir)
+    return report(d, plot_dir)
+
+
+def report(d, plot_dir=None):
+    """Print the tables of results folder D (and write plots to PLOT_DIR)."""
     sb, eq, kb = load(d, "step_bench.json"), load(d, "equality.json"), load(d, "kernel_bench.json")
     if eq:
         print("### Equality\n")

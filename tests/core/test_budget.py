@@ -5,6 +5,8 @@ monotonicity in the batch size, online calibration, and the proposer's step."""
 import json
 import math
 import random
+import tarfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +24,15 @@ from ddtree_patcher.patches.ddtree.payload.core.budget import (
     expected_by_depth,
 )
 from ddtree_patcher.patches.ddtree.payload.core.tree_build import canonical_topk, chain_scores
+
+
+def packed_result(run: str, name: str, tmp_path: Path) -> Path:
+    """bench/results/<run>.tar.xz's <run>/<name> (an H200 run's raw file), as a file."""
+    archive = Path(__file__).resolve().parents[2] / "bench" / "results" / f"{run}.tar.xz"
+    with tarfile.open(archive, "r:xz") as tf:
+        out = tmp_path / name
+        out.write_bytes(tf.extractfile(f"{run}/{name}").read())
+    return out
 
 
 def tree_of(scores, depths):
@@ -265,11 +276,9 @@ def test_build_controlled_with_a_builder():
     assert a[2] == b[2] and torch.equal(a[1], b[1])
 
 
-def test_cost_table_from_step_bench():
+def test_cost_table_from_step_bench(tmp_path):
     """The shipped H200 table is what step_bench.py measured in run 3."""
-    from pathlib import Path
-
-    run3 = Path(__file__).resolve().parents[2] / "bench/gpu/results/run3/step_bench.json"
+    run3 = packed_result("run3", "step_bench.json", tmp_path)
     t = CostTable.from_step_bench(run3)
     r2 = lambda d: {k: round(v, 2) if isinstance(v, float) else r2(v) for k, v in d.items()}  # noqa: E731
     assert r2(t["tree"]) == H200_VLLM_0_20_2["tree"] and r2(t["chain"]) == H200_VLLM_0_20_2["chain"]
@@ -314,14 +323,12 @@ def test_batch_schedule_picks_the_best_budget_per_batch_size():
             batch_schedule(table, bad, 4)
 
 
-def test_schedule_cli_on_the_run6_v2_step_table(capsys):
+def test_schedule_cli_on_the_run6_v2_step_table(capsys, tmp_path):
     """The measured V2 step table of run 6 with p80-like acceptance: B = 64 for one or
     two requests, chain steps from where trees stop paying; errors exit 2."""
-    from pathlib import Path
-
     from ddtree_patcher.patches.ddtree.payload.core.budget import main
 
-    res = Path(__file__).resolve().parents[2] / "bench/gpu/results/run6_032/v2_step_bench.json"
+    res = packed_result("run6_032", "v2_step_bench.json", tmp_path)
     assert main(["schedule", str(res), "--tau", "16=4.7,32=5.2,64=6.0", "--chain-tau", "4.5",
                  "--max-batch", "16"]) == 0
     out = json.loads(capsys.readouterr().out)
