@@ -162,9 +162,10 @@ def revert(only, force, python, site_packages, as_json):
         lines = [_recover_line(out.recovered)] if out.recovered else []
         lines.append(f"{len(p.ops)} files restored" if p.ops else "nothing to revert")
         if not p.wanted:
-            lines.append("RECORD check: every file matches, no unlisted files" + (
-                f"; {len(out.missing)} files RECORD lists were missing before ddtree-patch "
-                "applied (the install is incomplete)" if out.missing else ""))
+            lines.append("RECORD check: " + (
+                f"{len(out.missing)} files RECORD lists are missing, as they were before "
+                "ddtree-patch applied (the install is incomplete); every other file "
+                "matches" if out.missing else "every file matches") + ", no unlisted files")
         payload = {"target": t.describe(), "files": [op.path for op in p.ops],
                    "applied": p.wanted, "record_mismatches": bad, "recovered": out.recovered,
                    "missing_before": out.missing}
