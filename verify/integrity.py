@@ -26,8 +26,9 @@ def _sha(path):
 
 def record_files(dist_info):
     """RECORD rows as importlib.metadata makes them (PackagePath with .hash, .size),
-    read as tolerantly as pip: blank lines, any line ending, extra columns.  A row
-    without a path, with an unknown hash or a size that is not a number is an error."""
+    read tolerantly: blank lines, any line ending, extra columns (pip's installer warns
+    about those and goes on).  A row without a path, with an unknown hash or a size
+    that is not a number is an error."""
     record = os.path.join(str(dist_info), "RECORD")
     try:
         with open(record, "rb") as f:
