@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import traceback
 
 import click
 
 from . import __version__, engine, output
-from .errors import CODES, DRIFT, INTERNAL, OK, PENDING, USAGE, PatchError
+from .errors import (CODES, DRIFT, INTERNAL, INTERRUPTED, OK, PENDING, USAGE, PatchError,
+                     Terminated, interruption)
 from .manifest import Action
 from .target import find_target
 from .versions import SUPPORTED
 
-INTERRUPTED = 130  # Ctrl-C outside a write (a write in progress is rolled back first)
-EPILOG = "Exit codes:\n\n" + "\n\n".join(f"{c}: {m}" for c, m in CODES.items()) + \
-    f"\n\n{INTERRUPTED}: interrupted by Ctrl-C"
+EPILOG = "Exit codes:\n\n" + "\n\n".join(f"{c}: {m}" for c, m in CODES.items())
 
 
 def target_options(fn):
@@ -122,9 +122,16 @@ def apply(vllm_version, only, skip, dry_run, no_verify, full_verify, keep_on_fai
                                                         if extra else ""))
         lines.append(f"{len(p.ops)} files written" if out.wrote and p.ops else
                      "already up to date: nothing written")
+        if out.missing:
+            lines.append(f"note: {engine.lacks(out.missing)}: the install, not ddtree-patch, "
+                         "is incomplete (a slim image?); the files ddtree-patch edits are "
+                         "intact, so it patched; verify's and revert's RECORD checks report "
+                         "the same files as missing before ddtree-patch and still fail on "
+                         "any other")
         payload = {"target": t.describe(), "transforms": p.transforms,
                    "files": [op.path for op in p.ops] if out.wrote else [],
-                   "applied": p.wanted, "recovered": out.recovered}
+                   "applied": p.wanted, "recovered": out.recovered,
+                   "missing_before": out.missing}
         if out.verify:
             payload["verify"] = out.verify
             lines.append(out.verify["summary"])
@@ -155,9 +162,13 @@ def revert(only, force, python, site_packages, as_json):
         lines = [_recover_line(out.recovered)] if out.recovered else []
         lines.append(f"{len(p.ops)} files restored" if p.ops else "nothing to revert")
         if not p.wanted:
-            lines.append("RECORD check: every file matches, no unlisted files")
+            lines.append("RECORD check: " + (
+                f"{len(out.missing)} files RECORD lists are missing, as they were before "
+                "ddtree-patch applied (the install is incomplete); every other file "
+                "matches" if out.missing else "every file matches") + ", no unlisted files")
         payload = {"target": t.describe(), "files": [op.path for op in p.ops],
-                   "applied": p.wanted, "record_mismatches": bad, "recovered": out.recovered}
+                   "applied": p.wanted, "record_mismatches": bad, "recovered": out.recovered,
+                   "missing_before": out.missing}
         return OK, payload, "\n".join(lines), ""
 
     run("revert", as_json, body)
@@ -267,10 +278,18 @@ def verify(quick, seed, python, site_packages, as_json):
     run("verify", as_json, body)
 
 
+def _terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> None:
-    """Console entry point: click's usage errors become documented failures too."""
+    """Console entry point: click's usage errors become documented failures too; SIGTERM
+    ends a run as Ctrl-C does (a write in progress is rolled back first); a closed or
+    broken stdout/stderr changes nothing but what is seen."""
     args = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in args
+    output.guard_streams()
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         code = cli.main(args, prog_name="ddtree-patch", standalone_mode=False)
     except click.ClickException as exc:
@@ -284,11 +303,10 @@ def main(argv=None) -> None:
                 sys.exit(USAGE)
             exc.message = "no command given"
         fail(name or "ddtree-patch", as_json, PatchError(exc.format_message(), USAGE, hint))
-    except (KeyboardInterrupt, click.exceptions.Abort):
-        err = PatchError("interrupted by Ctrl-C", INTERNAL, "`ddtree-patch status` tells whether a "
-                         "`recover` is needed")
-        err.code = INTERRUPTED
-        fail("ddtree-patch", as_json, err)
+    except (KeyboardInterrupt, click.exceptions.Abort, Terminated) as exc:
+        code, why = interruption(exc) or (INTERRUPTED, "interrupted by SIGINT (Ctrl-C)")
+        fail("ddtree-patch", as_json, PatchError(why, code, "`ddtree-patch status` tells "
+                                                 "whether a `recover` is needed"))
     sys.exit(code or 0)
 
 

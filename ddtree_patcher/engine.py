@@ -12,12 +12,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .errors import DRIFT, TARGET, USAGE, VERIFY, PatchError
-from .fsops import prune_dirs, remove_bytecode, remove_file, sha256_bytes
+from .fsops import (prune_dirs, read_or_none, remove_bytecode, remove_file, sha256_bytes,
+                    sha256_file)
 from .journal import execute, leftovers, rollback
 from .manifest import Journal, Manifest, Status
-from .plan import Plan, file_state, plan, registry
-from .state import State
-from .target import Target, check_version, record_mismatches
+from .plan import Plan, file_state, plan, preimages, registry
+from .state import State, state_for
+from .target import Target, check_version, missing_files, record_mismatches
 
 
 # ------------------------------------------------------------------ names
@@ -76,16 +77,53 @@ def _ordered(names) -> list[str]:
 # ------------------------------------------------------------------ binding
 
 
-def _stale(t: Target, state: State, saved) -> PatchError:
-    now = t.install()
+def _stale(t: Target, state: State, saved, now) -> PatchError:
+    s = saved.install
+    held = held_edits(t, saved)
     return PatchError(
-        f"the saved state in {state.dir} belongs to {saved.dist} {saved.version}, not to "
+        f"the saved state in {state.dir} belongs to {s.dist} {s.version}, not to "
         f"this install ({now.dist} {now.version}): vLLM was upgraded or reinstalled since "
         "ddtree-patch last wrote it; nothing was written (its backups would put "
-        f"{saved.version} files into this install)", DRIFT,
+        f"{s.version} files into this install)", DRIFT,
+        _reinstall_first(t, held) if held else
         "`ddtree-patch forget` drops that state and removes only the files ddtree-patch "
         "added (they hold its own bytes and no RECORD lists them); if vLLM's RECORD was "
-        "damaged instead, " + t.reinstall_hint(), details=saved.differences(now))
+        "damaged instead, " + t.reinstall_hint(), details=s.differences(now))
+
+
+def _reinstall_first(t: Target, held: list[str]) -> str:
+    return (f"{t.reinstall_hint()} (puts vLLM's own files back in place of the {len(held)} "
+            "that still hold ddtree-patch's edits), then `ddtree-patch forget`")
+
+
+def held_edits(t: Target, *saved) -> list[str]:
+    """vLLM files that still hold ddtree-patch's edits (they import what it added):
+    what the saved state says it wrote, or, without it, any edit of this release's
+    transforms found in a file that is not the release's own."""
+    out = set()
+    for s in saved:
+        rows = ([(rel, r.post_sha) for rel, r in s.files.items() if r.kind == "modify"]
+                if isinstance(s, Manifest) else [(e.path, e.after_sha) for e in s.entries
+                                                 if e.before is not None and e.after_sha]
+                if isinstance(s, Journal) else [])
+        out.update(rel for rel, sha in rows
+                   if t.contains(rel) and sha256_file(t.path(rel)) == sha)
+    known = preimages(t.base_version)
+    transforms, _ = registry()
+    for fam in filter(None, (tr.family(t.base_version) for tr in transforms)):
+        for e in () if fam.upstream else fam.edits:
+            data = read_or_none(t.path(e.path))
+            if data is not None and sha256_bytes(data) not in known.get(e.path, ()) \
+                    and _applied(e, data):
+                out.add(e.path)
+    return sorted(out)
+
+
+def _applied(edit, data: bytes) -> bool:
+    try:
+        return edit.is_applied(data.decode("utf-8", "replace"))
+    except Exception:  # not Python any more: not an edit ddtree-patch can recognise
+        return False
 
 
 def _check_bound(t: Target, state: State, *saved) -> None:
@@ -93,11 +131,11 @@ def _check_bound(t: Target, state: State, *saved) -> None:
     now = t.install() if saved else None
     for s in saved:
         if s.install.differences(now):
-            raise _stale(t, state, s.install)
+            raise _stale(t, state, s, now)
 
 
 def _state(t: Target) -> State:
-    return State(t.key, t.reinstall_hint())
+    return state_for(t.key, t.real, t.reinstall_hint())
 
 
 @contextmanager
@@ -128,10 +166,10 @@ def _recover(t: Target, state: State) -> dict | None:
     return rollback(t, state)
 
 
-def _pristine_check(t: Target, p: Plan) -> list[dict]:
+def _pristine_check(t: Target, p: Plan, missing_ok: list[str]) -> list[dict]:
     """vLLM's RECORD check after a full revert (files were written already)."""
     try:
-        return record_mismatches(t)
+        return record_mismatches(t, missing_ok)
     except PatchError as exc:
         raise PatchError(f"{len(p.ops)} files restored, but {exc.message}", exc.code,
                          exc.hint)
@@ -148,6 +186,28 @@ class Outcome:
     notes: dict[str, str] = field(default_factory=dict)
     verify: dict | None = None
     record_mismatches: list[dict] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # RECORD's files the install lacks
+
+
+def _incomplete(t: Target, wanted: list[str]) -> list[str]:
+    """RECORD's files this install lacks (slim images delete kernels), found before
+    anything is written: refused when a file the wanted transforms read is one."""
+    missing = missing_files(t)
+    transforms, _ = registry()
+    fams = [tr.family(t.base_version) for tr in transforms if tr.name in wanted]
+    hit = sorted({e.path for fam in fams if fam for e in fam.edits} & set(missing))
+    if hit:
+        raise PatchError(f"{lacks(missing)}, among them {len(hit)} that ddtree-patch must "
+                         "edit: the install, not ddtree-patch, is incomplete; nothing was "
+                         "written", TARGET, t.reinstall_hint() + " (puts the missing files "
+                         "back), then run the command again", details=hit)
+    return missing
+
+
+def lacks(missing: list[str], first: int = 3) -> str:
+    more = f", ... and {len(missing) - first} more" if len(missing) > first else ""
+    return (f"this vLLM install lacks {len(missing)} files its RECORD lists ("
+            + ", ".join(missing[:first]) + more + ")")
 
 
 def dry_run(t: Target, names: list[str], vllm_version: str | None = None) -> Plan:
@@ -160,8 +220,8 @@ def dry_run(t: Target, names: list[str], vllm_version: str | None = None) -> Pla
     if journal is not None:
         raise PatchError("an interrupted run is pending: the diff would not be what apply "
                          "writes", DRIFT, "`ddtree-patch recover` first")
-    already = manifest.applied if manifest else []
-    return plan(t, state, manifest, _ordered(already + names))
+    wanted = _ordered((manifest.applied if manifest else []) + names)
+    return plan(t, state, manifest, wanted, missing=_incomplete(t, wanted))
 
 
 def apply(t: Target, names: list[str], verify: str | None = "quick",
@@ -173,8 +233,10 @@ def apply(t: Target, names: list[str], verify: str | None = "quick",
         manifest = state.load_manifest()
         _check_bound(t, state, manifest)
         before = manifest.applied if manifest else []
-        p = plan(t, state, manifest, _ordered(before + names))
-        out = Outcome(p, recovered, execute(p, state, manifest, "apply"))
+        wanted = _ordered(before + names)
+        missing = _incomplete(t, wanted)
+        p = plan(t, state, manifest, wanted, missing=missing)
+        out = Outcome(p, recovered, execute(p, state, manifest, "apply"), missing=missing)
         if not (out.wrote and p.ops and verify and p.manifest):
             return out
         from .verify_client import run_verify
@@ -203,9 +265,10 @@ def revert(t: Target, names=(), force: bool = False) -> Outcome:
         applied = manifest.applied if manifest else []
         drop = with_dependents(names) if names else set(applied)
         p = plan(t, state, manifest, [n for n in applied if n not in drop], force=force)
-        out = Outcome(p, recovered, execute(p, state, manifest, "revert"))
+        out = Outcome(p, recovered, execute(p, state, manifest, "revert"),
+                      missing=manifest.missing if manifest else [])
         if not p.wanted:
-            out.record_mismatches = _pristine_check(t, p)
+            out.record_mismatches = _pristine_check(t, p, out.missing)
         return out
 
 
@@ -244,6 +307,12 @@ def forget(t: Target) -> dict:
                              "lose the backups revert needs", USAGE,
                              "`ddtree-patch revert` (or `ddtree-patch recover` for an "
                              "interrupted run)")
+        held = held_edits(t, *[s for s in saved if s is not None])
+        if held:
+            raise PatchError(f"{len(held)} vLLM files still hold ddtree-patch's edits: they "
+                             "import the files forget would remove, so forgetting now would "
+                             "leave a vLLM that does not import; nothing was removed", DRIFT,
+                             _reinstall_first(t, held), details=held)
         removed = _remove_leftovers(t, journal, manifest)
         state.forget()
         return {"removed": removed, "state_dir": str(state.dir), "forgot": True,

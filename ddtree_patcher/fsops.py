@@ -117,16 +117,25 @@ def remove_file(path: Path, sync: bool = True) -> bool:
     return True
 
 
-def make_dirs(path: Path) -> None:
-    """mkdir -p, one write point per folder created."""
+def make_dirs(path: Path, like_parent: bool = False) -> None:
+    """mkdir -p, one write point per folder created.  ``like_parent`` (folders added
+    to vLLM): each new folder gets its parent's permission bits (setgid included),
+    whatever the umask, so a hardened umask does not hide new modules from the user
+    that runs vLLM.  Otherwise (the state folder) the umask applies."""
     path = Path(path)
     if path.is_dir():
         return
-    make_dirs(path.parent)
+    make_dirs(path.parent, like_parent)
     try:
         path.mkdir()
     except FileExistsError:
         return
+    if like_parent:
+        try:
+            mode = stat.S_IMODE(os.stat(path.parent).st_mode) & 0o2777
+        except OSError:
+            mode = 0o755
+        os.chmod(path, mode)
     point(f"mkdir {path}")
 
 
@@ -160,13 +169,25 @@ def bytecode_of(py_path: Path) -> list[Path]:
     return out
 
 
-def remove_bytecode(py_path: Path) -> list[Path]:
+def remove_bytecode(py_path: Path, emptied: bool = False) -> list[Path]:
+    """Remove the module's bytecode, and its __pycache__ folder when that leaves it
+    empty (``emptied``: the caller knows an empty one was emptied by this run)."""
     removed = bytecode_of(py_path)
     for pyc in removed:
         pyc.unlink()
     if removed:
         point(f"bytecode removed {py_path}")
+    cache = Path(py_path).parent / "__pycache__"
+    if (removed or emptied) and cache.is_dir() and not any(cache.iterdir()):
+        cache.rmdir()
+        point(f"rmdir {cache}")
     return removed
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """Does ``path``, links resolved, stay inside ``folder`` (links resolved)?"""
+    top = os.path.realpath(folder)
+    return os.path.realpath(path).startswith(top.rstrip(os.sep) + os.sep)
 
 
 def writable_problem(path: Path) -> str | None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import DRIFT, IO, TARGET, PatchError
+from .errors import DRIFT, IO, TARGET, PatchError, interruption
 from .fsops import (atomic_write, make_dirs, prune_dirs, remove_bytecode, remove_file,
                     sha256_bytes, sha256_file, temp_name, writable_problem)
 from .manifest import Journal, JournalEntry, Manifest
@@ -77,6 +79,7 @@ def execute(p: Plan, state: State, current: Manifest | None, op_name: str) -> bo
     if not p.ops and (p.manifest.same_content(current) if p.manifest else current is None):
         return False
     check_writable(t, [op.path for op in p.ops])
+    state.check_inside(p.backups)
     state.ensure_writable()
     token = secrets.token_hex(4)
     if p.manifest is not None:
@@ -106,7 +109,7 @@ def execute(p: Plan, state: State, current: Manifest | None, op_name: str) -> bo
                 remove_file(path)
                 prune_dirs(path.parent, t.package)
             else:
-                make_dirs(path.parent)
+                make_dirs(path.parent, like_parent=True)
                 atomic_write(path, op.after, tmp_name=e.tmp)
             if path.suffix == ".py":
                 remove_bytecode(path)
@@ -120,15 +123,40 @@ def execute(p: Plan, state: State, current: Manifest | None, op_name: str) -> bo
     return True
 
 
-def _undo(t: Target, state: State, op_name: str, exc: BaseException) -> None:
-    why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, OSError) else str(exc)
+@contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM wait while a rollback runs (it must not stop half-way)."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
     try:
-        done = rollback(t, state)
+        old = [signal.signal(s, signal.SIG_IGN) for s in sigs]
+    except ValueError:  # not the main thread: signals are not ours to hold
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, h in zip(sigs, old):
+            signal.signal(s, h)
+
+
+def _undo(t: Target, state: State, op_name: str, exc: BaseException) -> None:
+    code, why = interruption(exc) or (IO, f"{type(exc).__name__}: {exc}"
+                                      if not isinstance(exc, OSError) else str(exc))
+    try:
+        with _signals_held():
+            done = rollback(t, state)
     except Exception as again:
         raise PatchError(f"{op_name} failed while writing ({why}) and the rollback failed "
-                         f"too ({again})", IO, "fix the cause (disk full? permissions?), "
+                         f"too ({again})", code, "fix the cause (disk full? permissions?), "
                          "then run `ddtree-patch recover`")
+    if code != IO and done and done["action"] == "completed":
+        raise PatchError(f"{op_name} {why} after its last write: the {op_name} is complete "
+                         "and kept", code, "`ddtree-patch status` shows it"
+                         + ("; `ddtree-patch verify` checks it" if op_name == "apply" else ""))
     n = len(done["restored"]) if done else 0
+    if code != IO:
+        raise PatchError(f"{op_name} {why} while writing; rolled back ({n} files restored)",
+                         code, "run the command again")
     raise PatchError(f"{op_name} failed while writing ({why}); rolled back ({n} files "
                      "restored)", IO, "fix the cause (disk full? permissions?) and run the "
                      "command again")
@@ -146,6 +174,7 @@ def rollback(t: Target, state: State) -> dict | None:
         state.tidy()
         return {"op": "run", "action": "state folder cleaned (nothing in vLLM was "
                 "written)", "restored": [], "drift": [], "removed": left} if left else None
+    _check_paths(t, state, j)
     for e in j.entries:
         remove_file(t.path(e.path).parent / e.tmp)
     state.clean_temp()
@@ -173,10 +202,10 @@ def rollback(t: Target, state: State) -> dict | None:
                 prune_dirs(path.parent, t.package)
             else:
                 data = state.read_before(e.before, e.before_sha)
-                make_dirs(path.parent)
+                make_dirs(path.parent, like_parent=True)
                 atomic_write(path, data, tmp_name=e.tmp)
             if path.suffix == ".py":
-                remove_bytecode(path)
+                remove_bytecode(path, emptied=True)  # a kill may have left it empty
             restored.append(e.path)
         for d in j.new_dirs:
             prune_dirs(t.path(d), t.package)
@@ -186,17 +215,26 @@ def rollback(t: Target, state: State) -> dict | None:
     return {"op": j.op, "action": action, "restored": restored, "drift": drift}
 
 
+def _check_paths(t: Target, state: State, j: Journal) -> None:
+    """Before a journal is acted on: each of its paths, links resolved, stays in vllm/
+    (the names themselves were checked when it was read)."""
+    bad = [rel for rel in [e.path for e in j.entries] + j.new_dirs if not t.contains(rel)]
+    if bad:
+        raise PatchError(f"the journal in {state.journal_dir} names paths that lead outside "
+                         f"{t.package} (through a link): ddtree-patch does not follow them; "
+                         "nothing was done", DRIFT, f"{state.reinstall_hint}, then "
+                         "`ddtree-patch forget`", details=bad)
+
+
 def leftovers(t: Target, j: Journal | None, manifest: Manifest | None) -> list[Path]:
     """Files in the tree that hold ddtree-patch's own bytes and that no RECORD lists:
-    what it added (manifest, journal), and temp files of a killed run."""
-    out = []
-    for rel, rec in (manifest.files.items() if manifest else ()):
-        if rec.kind == "add" and sha256_file(t.path(rel)) == rec.post_sha:
-            out.append(t.path(rel))
+    what it added (manifest, journal), and temp files of a killed run.  Paths that lead
+    out of vllm/ (through a link) are never opened."""
+    want = [(rel, rec.post_sha) for rel, rec in (manifest.files.items() if manifest else ())
+            if rec.kind == "add"]
     for e in j.entries if j else ():
-        p = t.path(e.path)
-        if (p.parent / e.tmp).exists():
-            out.append(p.parent / e.tmp)
-        if e.before is None and e.after_sha and sha256_file(p) == e.after_sha:
-            out.append(p)
-    return sorted(set(out))
+        want.append((str(Path(e.path).parent / e.tmp), None))  # any bytes: a temp file
+        if e.before is None and e.after_sha:
+            want.append((e.path, e.after_sha))
+    return sorted({t.path(rel) for rel, sha in want if t.contains(rel) and (
+        sha256_file(t.path(rel)) == sha if sha else t.path(rel).is_file())})

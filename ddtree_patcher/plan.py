@@ -267,7 +267,8 @@ def make_ops(t: Target, src: Sources, c: Composed, manifest: Manifest | None) ->
 # ------------------------------------------------------------------ 4. manifest
 
 
-def make_manifest(t: Target, src: Sources, c: Composed) -> Manifest | None:
+def make_manifest(t: Target, src: Sources, c: Composed,
+                  missing: list[str]) -> Manifest | None:
     files: dict[str, FileRecord] = {}
     for rel, text in c.texts.items():
         if rel in c.owners:
@@ -277,17 +278,22 @@ def make_manifest(t: Target, src: Sources, c: Composed) -> Manifest | None:
         files[rel] = FileRecord("add", None, sha256_bytes(data), c.owners[rel])
     if not files:
         return None
-    return Manifest(t.install(), c.applied, dict(sorted(files.items())), __version__)
+    return Manifest(t.install(), c.applied, dict(sorted(files.items())), __version__,
+                    missing=list(missing))
 
 
 def plan(t: Target, state: State, manifest: Manifest | None, wanted: list[str],
-         force: bool = False) -> Plan:
+         force: bool = False, missing: list[str] | None = None) -> Plan:
+    """``missing``: RECORD's files the install lacked at apply time (default: what the
+    manifest says)."""
     src = Sources(t, state, live_records(t, manifest), force)
     families = _families(wanted, t.base_version)
     check(src, families)
     c = compose(t, src, families)
     ops = make_ops(t, src, c, manifest)
-    new = make_manifest(t, src, c)
+    if missing is None:
+        missing = manifest.missing if manifest else []
+    new = make_manifest(t, src, c, missing)
     backups = {rel: data for rel, data in src.from_tree.items()
                if new and rel in new.files and new.files[rel].kind == "modify"}
     return Plan(t, c.applied, ops, new, backups, c.info)

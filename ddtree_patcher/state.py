@@ -2,8 +2,9 @@
 
 Folder: ``$DDTREE_PATCH_STATE_DIR`` or ``$XDG_STATE_HOME/ddtree-patch`` or
 ``~/.local/state/ddtree-patch``, then one sub-folder per install (hash of its
-site-packages path).  pip never sees it, so a reinstall cannot leave a marker that
-lies; what is in it is bound to the exact install (``manifest.Install``).
+site-packages' real path).  pip never sees it, so a reinstall cannot leave a marker that
+lies; what is in it is bound to the exact install (``manifest.Install``).  Its files
+are input like any other: nothing is read or written through a link leading out of it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import shutil
 from pathlib import Path
 
 from .errors import DRIFT, TARGET, PatchError
-from .fsops import (TMP_SUFFIX, atomic_write, make_dirs, point, prune_dirs, remove_file,
-                    sha256_bytes, writable_problem)
+from .fsops import (TMP_SUFFIX, atomic_write, inside, make_dirs, point, prune_dirs,
+                    remove_file, sha256_bytes, writable_problem)
 from .manifest import Journal, Manifest, StateError
 
 STATE_HINT = "set DDTREE_PATCH_STATE_DIR to a writable folder (or fix HOME)"
@@ -38,6 +39,24 @@ def state_root() -> Path:
 def _state_error(path: Path, exc: OSError) -> PatchError:
     return PatchError(f"the state folder cannot be used: {path}: {exc.strerror or exc}",
                       TARGET, STATE_HINT + "; nothing was written to vLLM")
+
+
+def state_for(key: str, site: str, reinstall_hint: str = "") -> "State":
+    """The install's state folder, named by its real path ``site``; for another name of
+    the same folder with another real path (a bind mount), the one saved for it."""
+    own = State(key, reinstall_hint)
+    root = own.dir.parent
+    if own.dir.exists() or not root.is_dir():
+        return own
+    for d in sorted(root.iterdir()):
+        other = State(d.name, reinstall_hint)
+        try:
+            saved = other.load_journal() or other.load_manifest()
+        except PatchError:
+            continue
+        if saved is not None and saved.install.same_place(site):
+            return other
+    return own
 
 
 class State:
@@ -72,6 +91,20 @@ class State:
             return None
         except OSError as exc:  # the folder is a file, no permission, ...
             raise _state_error(path, exc)
+
+    def _inside(self, path: Path) -> Path:
+        if not inside(path, self.dir):
+            raise PatchError(f"{path} leads outside the state folder {self.dir} (a link?): "
+                             "ddtree-patch does not follow it; nothing was written", DRIFT,
+                             "put the real folder in place of the link, or set "
+                             "DDTREE_PATCH_STATE_DIR to a folder only you can write; then "
+                             "run the command again")
+        return path
+
+    def check_inside(self, backups) -> None:
+        """Before a run writes: its journal and backups stay in the state folder."""
+        for p in [self.journal_path] + [self.backups / rel for rel in backups]:
+            self._inside(p)
 
     def _unreadable(self, path: Path, why) -> PatchError:
         return PatchError(
@@ -130,15 +163,18 @@ class State:
         atomic_write(self.manifest_path, manifest_bytes(manifest))
 
     # -------------------------------------------------------------- backups
+    def backup_path(self, rel: str) -> Path:
+        return self._inside(self.backups / rel)
+
     def save_backup(self, rel: str, data: bytes) -> None:
-        p = self.backups / rel
+        p = self.backup_path(rel)
         if self._read(p) == data:
             return
         make_dirs(p.parent)
         atomic_write(p, data, mode=0o644)
 
     def read_backup(self, rel: str, expect_sha: str) -> bytes:
-        data = self._read(self.backups / rel)
+        data = self._read(self.backup_path(rel))
         if data is None or sha256_bytes(data) != expect_sha:
             raise PatchError(f"the backup of {rel} in {self.backups} is "
                              + ("missing" if data is None else "corrupt"), DRIFT,
@@ -172,11 +208,11 @@ class State:
     def save_journal(self, j: Journal, befores: dict[str, bytes]) -> None:
         make_dirs(self.journal_dir)
         for name, data in befores.items():
-            atomic_write(self.journal_dir / name, data, mode=0o644)
+            atomic_write(self._inside(self.journal_dir / name), data, mode=0o644)
         atomic_write(self.journal_path, json.dumps(j.to_json()).encode(), mode=0o644)
 
     def read_before(self, name: str, expect_sha: str) -> bytes:
-        data = self._read(self.journal_dir / name)
+        data = self._read(self._inside(self.journal_dir / name))
         if data is None or sha256_bytes(data) != expect_sha:
             raise self._unreadable(self.journal_dir / name, "a saved copy is missing or "
                                    "corrupt")

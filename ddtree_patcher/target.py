@@ -14,9 +14,10 @@ from pathlib import Path
 
 from . import probe as probe_mod
 from .errors import LOCKED, TARGET, USAGE, PatchError
+from .fsops import inside
 from .manifest import Install
 from .versions import SUPPORTED, public_version
-from .verify.integrity import RecordError, record_files, record_problems
+from .verify.integrity import RecordError, record_files, record_missing, record_problems
 
 
 @dataclass
@@ -31,7 +32,12 @@ class Target:
     @property
     def key(self) -> str:
         """Stable id of this install, used to name its state folder."""
-        return hashlib.sha256(str(self.site.resolve()).encode()).hexdigest()[:16]
+        return hashlib.sha256(self.real.encode()).hexdigest()[:16]
+
+    @property
+    def real(self) -> str:
+        """The site-packages folder's real path (every link resolved)."""
+        return os.path.realpath(self.site)
 
     @property
     def base_version(self) -> str:
@@ -43,6 +49,10 @@ class Target:
 
     def path(self, rel: str) -> Path:
         return self.site / rel
+
+    def contains(self, rel: str) -> bool:
+        """Does ``rel`` (from saved state), links resolved, stay inside vllm/?"""
+        return inside(self.path(rel), self.package)
 
     def describe(self) -> dict:
         return {"dist": self.dist, "version": self.version, "site_packages": str(self.site),
@@ -65,8 +75,8 @@ class Target:
             raise PatchError(f"vLLM's RECORD ({record}) cannot be read: "
                              f"{getattr(exc, 'strerror', None) or exc}; ddtree-patch needs it "
                              "to check its writes", TARGET, self.reinstall_hint())
-        return Install(self.dist, self.version, str(self.site), str(self.dist_info),
-                       hashlib.sha256(data).hexdigest())
+        return Install(self.dist, self.version, self.real,
+                       os.path.realpath(self.dist_info), hashlib.sha256(data).hexdigest())
 
     @contextmanager
     def lock(self):
@@ -104,11 +114,20 @@ def _lock_holder(fd: int) -> str:
     return "unknown"
 
 
-def record_mismatches(t: Target, skip=()) -> list[dict]:
-    """RECORD rows whose file is missing or differs, and files/folders under vllm/ that
-    RECORD does not list."""
+def record_mismatches(t: Target, missing_ok=()) -> list[dict]:
+    """RECORD rows whose file is missing (but for ``missing_ok``) or differs, and
+    files/folders under vllm/ that RECORD does not list."""
+    return _record(t, record_problems, missing_ok=missing_ok)
+
+
+def missing_files(t: Target) -> list[str]:
+    """The files this install's RECORD lists that are not there."""
+    return _record(t, record_missing)
+
+
+def _record(t: Target, check, **kw):
     try:
-        return record_problems(t.site, t.dist_info, skip)
+        return check(t.site, t.dist_info, **kw)
     except RecordError as exc:
         raise PatchError(f"vLLM's RECORD cannot be checked: {exc}", TARGET,
                          t.reinstall_hint())

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .state import State
+from .state import state_for
 from .target import Target
 
 CHECKS = ("integrity", "imports", "kernels", "engine")
@@ -39,13 +39,14 @@ def _plan_checks(t: Target, quick: bool) -> tuple[list[str], dict[str, str]]:
 
 
 def _spec(t: Target, checks: list[str], quick: bool, seed: int | None) -> dict:
-    manifest = State(t.key, t.reinstall_hint()).load_manifest()
+    manifest = state_for(t.key, t.real, t.reinstall_hint()).load_manifest()
     return {
         "site": str(t.site), "dist_info": str(t.dist_info), "dist": t.dist,
         "version": t.version, "checks": checks, "quick": quick, "seed": seed,
         "files": {rel: rec.post_sha for rel, rec in manifest.files.items()} if manifest
         else {},
         "applied": manifest.applied if manifest else [],
+        "missing": manifest.missing if manifest else [],
     }
 
 

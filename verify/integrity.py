@@ -7,6 +7,7 @@ check (``record_problems``) for ``revert``.
 """
 
 import base64
+import csv
 import hashlib
 import importlib.util
 import os
@@ -24,17 +25,51 @@ def _sha(path):
 
 
 def record_files(dist_info):
-    """RECORD rows as importlib.metadata reads them: PackagePath with .hash, .size."""
+    """RECORD rows as importlib.metadata makes them (PackagePath with .hash, .size),
+    read tolerantly: blank lines, any line ending, extra columns (pip's installer warns
+    about those and goes on).  A row without a path, with an unknown hash or a size
+    that is not a number is an error."""
     record = os.path.join(str(dist_info), "RECORD")
-    if not os.path.isfile(record):
-        raise RecordError(f"{record} is missing")
     try:
-        files = metadata.PathDistribution(pathlib.Path(str(dist_info))).files
-    except (UnicodeDecodeError, ValueError, OSError) as exc:
+        with open(record, "rb") as f:
+            text = f.read().decode("utf-8")
+        rows = [r for r in csv.reader(text.splitlines()) if any(c.strip() for c in r)]
+        dist = metadata.PathDistribution(pathlib.Path(str(dist_info)))
+        return [_row(dist, *r[:3]) for r in rows]
+    except FileNotFoundError:
+        raise RecordError(f"{record} is missing")
+    except (UnicodeDecodeError, ValueError, OSError, csv.Error) as exc:
         raise RecordError(f"{record} cannot be read ({type(exc).__name__}: {exc})")
-    if files is None:
-        raise RecordError(f"{record} cannot be read")
-    return files
+
+
+def _row(dist, path, hash_="", size=""):
+    if not path.strip() or "\x00" in path:
+        raise ValueError(f"a row without a usable path: {path!r}")
+    f = metadata.PackagePath(path)
+    f.hash = metadata.FileHash(hash_) if hash_ else None
+    if f.hash is not None and (f.hash.mode not in hashlib.algorithms_available
+                               or not f.hash.value):
+        raise ValueError(f"{path}: unknown hash {hash_!r}")
+    f.size = int(size) if size else None
+    f.dist = dist
+    return f
+
+
+def _rows(site, dist_info):
+    """(path relative to site, real path, RECORD hash) of each row inside ``site``
+    (console scripts and the like outside it are left out)."""
+    site = os.path.realpath(str(site))
+    for f in record_files(dist_info):
+        p = os.path.realpath(str(f.locate()))
+        if p.startswith(site + os.sep):
+            yield os.path.relpath(p, site).replace(os.sep, "/"), p, f.hash
+
+
+def record_missing(site, dist_info):
+    """RECORD's hashed files that are not there (a slim image deletes the kernels it
+    does not use; bytecode, listed without a hash, may come and go)."""
+    return sorted(rel for rel, p, digest in _rows(site, dist_info)
+                  if digest is not None and not os.path.exists(p))
 
 
 def _digest(path, algo):
@@ -45,29 +80,27 @@ def _digest(path, algo):
     return base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
 
 
-def record_problems(site, dist_info, skip=()):
+def record_problems(site, dist_info, skip=(), missing_ok=()):
     """Every RECORD row inside ``site`` whose file is missing or differs, every file
     under the package folders that RECORD does not list (stale bytecode of a module
     that exists is fine), and every folder there that holds nothing of RECORD's.
-    ``skip``: paths (relative to site) to leave out, e.g. files ddtree-patch added."""
+    ``skip``: paths (relative to site) to leave out, e.g. files ddtree-patch added;
+    ``missing_ok``: files that may be missing (they were before ddtree-patch wrote)."""
     site = os.path.realpath(str(site))
-    skip = set(skip)
+    skip, missing_ok = set(skip), set(missing_ok)
     listed, parents, bad = set(), set(), []
-    for f in record_files(dist_info):
-        p = os.path.realpath(str(f.locate()))
-        if not p.startswith(site + os.sep):
-            continue  # console scripts etc. outside the tree
-        rel = os.path.relpath(p, site).replace(os.sep, "/")
+    for rel, p, digest in _rows(site, dist_info):
         listed.add(rel)
         parent = os.path.dirname(rel)
         while parent and parent not in parents:
             parents.add(parent)
             parent = os.path.dirname(parent)
-        if rel in skip or f.hash is None:
+        if rel in skip or digest is None:
             continue
         if not os.path.exists(p):
-            bad.append({"path": rel, "problem": "missing"})
-        elif _digest(p, f.hash.mode) != f.hash.value:
+            if rel not in missing_ok:
+                bad.append({"path": rel, "problem": "missing"})
+        elif _digest(p, digest.mode) != digest.value:
             bad.append({"path": rel, "problem": "hash differs from RECORD"})
     tops = {rel.split("/", 1)[0] for rel in listed if "/" in rel}
     for top in sorted(t for t in tops if not t.endswith(".dist-info")):
@@ -131,8 +164,10 @@ def check(spec):
             for pyc in stale_pycs(p):
                 problems.append(f"stale bytecode {os.path.relpath(pyc, site)} (would run the "
                                 "old code)")
+    missing = spec.get("missing", [])
     try:
-        rows = record_problems(site, spec["dist_info"], skip=spec["files"])
+        rows = record_problems(site, spec["dist_info"], skip=spec["files"],
+                               missing_ok=missing)
     except RecordError as exc:
         rows = [{"path": "RECORD", "problem": str(exc)}]
     for row in rows:
@@ -143,5 +178,7 @@ def check(spec):
     if problems:
         return False, "; ".join(problems[:10]) + (f" (+{len(problems) - 10} more)"
                                                  if len(problems) > 10 else "")
+    lacked = (f"; {len(missing)} files RECORD lists were missing before ddtree-patch "
+              "applied (the install is incomplete, not checked)") if missing else ""
     return True, (f"{len(spec['files'])} patched/added files match, the rest of RECORD "
-                  "matches, no unlisted files")
+                  "matches, no unlisted files" + lacked)

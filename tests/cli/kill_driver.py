@@ -18,7 +18,10 @@ Scenarios on a real vLLM 0.20.2 tree (slim: its Python files and dist-info):
 apply (--only ddtree-proposer: 4 edits, 16 added files in 2 new folders), revert,
 recover after a killed apply, recover after a killed revert, and a sample of killed
 applies followed by an in-place upgrade to 0.33.0 (old bytes must never be written
-into it; ``forget`` must leave the pristine 0.33.0 tree).
+into it; ``forget`` must leave the pristine 0.33.0 tree).  Then (issue #30) kills at
+the bytecode points of a tree byte-compiled at run time (no empty ``__pycache__`` may
+be left), and SIGINT / SIGTERM at every 3rd write point of apply (exit 130 / 143, the
+run rolled back before it ends).
 
 Forks keep this fast; the transforms' output is computed once (a memo of the pure
 ``plan.compose``), everything else runs for real each time.
@@ -104,13 +107,14 @@ def sha(p: Path) -> str:
 class Tree:
     """A working copy and its pristine twin (never touched: the reference)."""
 
-    def __init__(self, name: str, version: str):
+    def __init__(self, name: str, version: str, prepare=None):
         self.site = WORK / name
         self.ref = WORK / f"{name}.ref"
         shutil.rmtree(self.site, ignore_errors=True)
-        if not self.ref.exists():
-            copy_tree("vllm", version, self.ref, slim=True)
-        copy_tree("vllm", version, self.site, slim=True)
+        for root in ([self.ref] if not self.ref.exists() else []) + [self.site]:
+            copy_tree("vllm", version, root, slim=True)
+            if prepare:
+                prepare(root)
         self.pristine = {rel: sha(self.ref / rel) for rel in files(self.ref)}
         self.dirs = dirs(self.ref)
         self.stat = {rel: stat(self.site / rel) for rel in self.pristine}
@@ -120,6 +124,7 @@ class Tree:
         trial starts from the pristine release, so every run has the same points."""
         for rel in self.pristine:
             if "/__pycache__/" in rel and not (self.site / rel).exists():
+                (self.site / rel).parent.mkdir(exist_ok=True)
                 shutil.copy2(self.ref / rel, self.site / rel)
                 self.stat[rel] = stat(self.site / rel)
 
@@ -291,6 +296,68 @@ def scenario_recover(tree: Tree, allowed: set[str], after: str) -> dict:
     return {"points": rec, "crashed_at": labels[k - 1], "failures": [f for f in fails if f]}
 
 
+def runtime_bytecode(root: Path) -> None:
+    """A `pip install --no-compile` tree (no bytecode, RECORD lists none) in which vLLM
+    then byte-compiled only the modules ddtree-proposer edits: each .pyc is the only
+    file of its __pycache__, which apply empties and so removes."""
+    import py_compile
+
+    for d in list(root.rglob("__pycache__")):
+        shutil.rmtree(d)
+    record = next(root.glob("*.dist-info")) / "RECORD"
+    record.write_text("".join(line for line in record.read_text().splitlines(True)
+                              if ".pyc," not in line))
+    _, by_name = planmod.registry()
+    for e in by_name["ddtree-proposer"].family("0.20.2").edits:
+        py_compile.compile(str(root / e.path), doraise=True)
+
+
+def scenario_bytecode(allowed: set[str]) -> dict:
+    """kill -9 at every bytecode point of apply in a tree whose touched modules were
+    byte-compiled at run time: the advice ends RECORD-clean (no empty __pycache__)."""
+    tree = Tree("byte", "0.20.2", prepare=runtime_bytecode)
+    allowed = allowed | set(tree.pristine.values())
+    labels = points(["apply", "--no-verify", *ONLY], tree.site)
+    follow_advice(tree.site)
+    picks = [n for n, lab in enumerate(labels, 1)
+             if lab.startswith("bytecode removed") or lab.endswith("/__pycache__")]
+    fails = []
+    for n in picks:
+        tree.reset_bytecode()
+        r = run(["apply", "--no-verify", *ONLY], tree.site, {"DDTREE_PATCH_FAULT": f"kill-at:{n}"})
+        assert r["killed"], (n, r)
+        bad = trial(tree, f"{n} {labels[n - 1]}", allowed)
+        record = record_problems(tree.site, next(tree.site.glob("*.dist-info")))
+        if bad or record:
+            fails.append({**(bad or {"at": f"{n} {labels[n - 1]}"}), "record": record[:5]})
+    return {"points": [labels[n - 1] for n in picks], "failures": fails}
+
+
+def scenario_signals(tree: Tree, allowed: set[str]) -> dict:
+    """SIGINT / SIGTERM at every 3rd write point of apply: the run rolls back before it
+    ends (exit 130 / 143; the pristine tree and no state at once when the signal came
+    before the commit point), then the advice leads back to the pristine release."""
+    tree.reset_bytecode()
+    labels = points(["apply", "--no-verify", *ONLY], tree.site)
+    follow_advice(tree.site)
+    commit = next(i for i, lab in enumerate(labels, 1) if lab.endswith("/manifest.json"))
+    fails = []
+    for n in range(1, len(labels) + 1, 3):
+        for sig, code in (("INT", 130), ("TERM", 143)):
+            tree.reset_bytecode()
+            r = run(["apply", "--no-verify", *ONLY], tree.site,
+                    {"DDTREE_PATCH_FAULT": f"signal-at:{n}:{sig}"})
+            at = f"{n} {labels[n - 1]} ({sig})"
+            bad = [] if r["code"] == code and "next: " in r["err"] else [
+                f"exit {r['code']}: {r['err'][-300:]}"]
+            if n < commit and (tree.problems() or state_files()):
+                bad.append(f"not rolled back at once: {tree.problems()[:3]} {state_files()}")
+            done = trial(tree, at, allowed)
+            if bad or done:
+                fails.append({"at": at, "problem": bad + [done]})
+    return {"points": labels, "commit": commit, "failures": fails}
+
+
 def scenario_upgrade(allowed: set[str]) -> dict:
     """A killed apply (sampled points, and a complete one), then vLLM upgraded in place
     to 0.33.0: every command refuses and writes nothing, status says what to do, and
@@ -361,7 +428,7 @@ def main() -> None:
     STATE.mkdir(parents=True, exist_ok=True)
     os.environ.pop("DDTREE_PATCH_FAULT", None)
     wanted = sys.argv[2:] or ["apply", "revert", "recover-apply", "recover-revert",
-                              "upgrade"]
+                              "upgrade", "bytecode", "signals"]
     memo, compose = {}, planmod.compose
 
     def memo_compose(t, src, families):
@@ -385,6 +452,10 @@ def main() -> None:
             out[name] = scenario_recover(tree, allowed, name.split("-", 1)[1])
         elif name == "upgrade":
             out[name] = scenario_upgrade(allowed)
+        elif name == "bytecode":
+            out[name] = scenario_bytecode(allowed)
+        elif name == "signals":
+            out[name] = scenario_signals(tree, allowed)
     out["record_problems"] = record_problems(tree.site, next(tree.site.glob("*.dist-info")))
     print(json.dumps(out))
 

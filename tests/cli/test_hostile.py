@@ -1,12 +1,20 @@
-"""Issue #14: the patcher used the way a hostile user (or a bad day) would, on real
-vLLM trees.  Each test names the item it covers."""
+"""Issues #14 and #30 (and #28's incomplete installs): the patcher used the way a
+hostile user, a bad day or a hardened server would, on real vLLM trees.  Each test
+names the item it covers."""
 
 import hashlib
 import json
 import os
+import py_compile
+import re
 import resource
+import shutil
 import signal
+import stat
 import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -218,6 +226,16 @@ CASES = {
     "journal.json empty": lambda tmp, tree, cli, sd: (
         ("recover", *sp(_spoil(_patched(tree, cli), sd, "journal/journal.json", b""))), {},
         4),
+    "RECORD with a NUL byte": lambda tmp, tree, cli, sd: (
+        ("revert", *sp(_record_row(_patched(tree, cli), b"vllm/x\x00.py,,\n"))), {}, 3),
+    "RECORD with an unknown hash": lambda tmp, tree, cli, sd: (
+        ("revert", *sp(_record_row(_patched(tree, cli), b"vllm/envs.py,md7=abc,12\n"))),
+        {}, 3),
+    "RECORD row without a path": lambda tmp, tree, cli, sd: (
+        ("revert", *sp(_record_row(_patched(tree, cli), b",sha256=abc,12\n"))), {}, 3),
+    "RECORD size not a number": lambda tmp, tree, cli, sd: (
+        ("revert", *sp(_record_row(_patched(tree, cli), b"vllm/envs.py,,twelve\n"))), {},
+        3),
     "status on an unsupported version": lambda tmp, tree, cli, sd: (
         ("status", *sp(_fake_tree(tmp / "old"))), {}, 2),
     "--only X --skip X": lambda tmp, tree, cli, sd: (
@@ -412,3 +430,437 @@ def test_unexpected_errors_are_reported_not_traced(capsys):
     err = capsys.readouterr().err
     assert end.value.code == 9 and "internal error: ZeroDivisionError" in err
     assert "next: " in err and "Traceback" not in err
+
+
+# ================================================= issue #30: how real servers are set up
+
+PROPOSER = ("--only", "ddtree-proposer")  # edits that import the files it adds
+
+
+def sources(site):
+    """hashes() without bytecode (apply removes that of the modules it touches)."""
+    return {k: v for k, v in hashes(site).items() if "__pycache__" not in k}
+
+
+def _bind_mount(site, at):
+    at.mkdir()
+    if subprocess.run(["mount", "--bind", str(site), str(at)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here (needs root)")
+    return str(at)
+
+
+ALIASES = {
+    # kind: (tmp_path, site) -> (another name for site, the folder the commands run in)
+    "symlink": lambda tmp, site: (str(_link(tmp / "link", site)), tmp),
+    "symlinked parent": lambda tmp, site: (str(_link(tmp / "parent", site.parent)
+                                               / site.name), tmp),
+    "relative, with ..": lambda tmp, site: (f"../{site.name}", _mkdir(tmp / "cwd")),
+    "trailing slash": lambda tmp, site: (f"{site}/", tmp),
+    "bind mount": lambda tmp, site: (_bind_mount(site, tmp / "bind"), tmp),
+}
+
+
+def _link(link, to):
+    link.symlink_to(to)
+    return link
+
+
+def _mkdir(d):
+    d.mkdir()
+    return d
+
+
+@pytest.mark.parametrize("version", ["0.20.2", "0.33.0"])
+@pytest.mark.parametrize("kind", list(ALIASES))
+def test_one_install_under_two_names(kind, version, tree, cli, tmp_path):
+    """Applied under one name, everything else under the other (and the reverse): the
+    same install, never 'stale state' (whose advice, forget, broke vLLM)."""
+    site = tree("vllm", version, slim=True)
+    alias, cwd = ALIASES[kind](tmp_path, site)
+    before = sources(site)
+    try:
+        for first, then in ((site, alias), (alias, site)):
+            cli("apply", NV, *PROPOSER, *sp(first), cwd=cwd, check=0)
+            st = cli("status", "--json", *sp(then), cwd=cwd, check=0).json
+            assert st["status"] == "patched" and st["applied"] == ["ddtree-proposer"]
+            failed(cli("forget", *sp(then), cwd=cwd), 2)  # it belongs: revert, not forget
+            cli("revert", *sp(then), cwd=cwd, check=0)
+            assert sources(site) == before
+    finally:
+        if kind == "bind mount":
+            subprocess.run(["umount", str(tmp_path / "bind")])
+    assert record_mismatches(find_target(site_packages=str(site))) == []
+
+
+def _record_rewritten(site, state_dir):
+    record = next(site.glob("*.dist-info")) / "RECORD"
+    record.write_text("".join(reversed(record.read_text().splitlines(True))))
+
+
+def _manifest_unreadable(site, state_dir):
+    next(state_dir.rglob("manifest.json")).write_bytes(b"{not json")
+
+
+@pytest.mark.parametrize("unbind", [_record_rewritten, _manifest_unreadable])
+def test_forget_refuses_while_vllm_files_hold_the_patch(unbind, tree, cli, state_dir):
+    """Saved state that does not bind (or cannot be read) while vLLM's edited files
+    still import what ddtree-patch added: forget removes nothing and says to reinstall
+    first; following that ends at the pristine release."""
+    site = tree("vllm", "0.20.2", slim=True)
+    cli("apply", NV, *PROPOSER, *sp(site), check=0)
+    unbind(site, state_dir)
+    before = hashes(site)
+    r = cli("forget", *sp(site))
+    failed(r, 4)
+    assert "still hold ddtree-patch's edits" in r.err and RUNNER in r.err
+    assert "--force-reinstall" in r.err.split("next: ")[1]
+    assert hashes(site) == before
+    st = cli("status", "--json", *sp(site), check=4).json
+    assert "--force-reinstall" in st["next"].split("forget")[0]  # reinstall comes first
+    upgrade_in_place(site, "vllm", "0.20.2", slim=True)  # the reinstall it asks for
+    st = cli("status", "--json", *sp(site), check=4).json  # then what status says
+    step = re.search(r"`ddtree-patch (\w+)", st["next"]).group(1)
+    cli(step, *sp(site), check=0)
+    assert sources(site) == sources(tree("vllm", "0.20.2", slim=True))
+    assert record_mismatches(find_target(site_packages=str(site))) == []
+
+
+def test_state_folder_on_another_file_system(tree, cli, tmp_path):
+    shm = "/dev/shm"
+    if not (os.path.isdir(shm) and os.access(shm, os.W_OK)):
+        pytest.skip("no writable /dev/shm")
+    site = tree("vllm", "0.20.2", slim=True)
+    if os.stat(shm).st_dev == os.stat(site).st_dev:
+        pytest.skip("/dev/shm and the test folder are one file system here")
+    state = tempfile.mkdtemp(prefix="ddtree-state-", dir=shm)
+    env = {"DDTREE_PATCH_STATE_DIR": state}
+    try:
+        before = sources(site)
+        cli("apply", NV, *PROPOSER, *sp(site), env={**env, "DDTREE_PATCH_FAULT":
+                                                    "crash-after:3"}, check=70)
+        cli("recover", *sp(site), env=env, check=0)
+        assert sources(site) == before
+        cli("apply", NV, *PROPOSER, *sp(site), env=env, check=0)
+        cli("revert", *sp(site), env=env, check=0)
+        assert sources(site) == before and state_files(Path(state)) == []
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.mark.parametrize("parent_mode", [0o755, 0o2775], ids=["0755", "2775"])
+def test_new_folders_take_the_parents_permissions_not_the_umask(parent_mode, tree, cli,
+                                                                state_dir):
+    """Under umask 077 (a hardened root) the folders apply creates are as open as the
+    folder they are made in, so the service user that runs vLLM can import them."""
+    site = tree("vllm", "0.20.2", slim=True)
+    parent = site / "vllm/v1/spec_decode"
+    parent.chmod(parent_mode)
+    cli("apply", NV, *PROPOSER, *sp(site), preexec_fn=lambda: os.umask(0o077), check=0)
+    made = [parent / "ddtree"] + [p for p in (parent / "ddtree").rglob("*") if p.is_dir()]
+    assert len(made) >= 2
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in made} == {
+        p.name: oct(parent_mode) for p in made}
+    added = [p for p in (parent / "ddtree").rglob("*.py")]
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in added} == {"0o644"}
+    # the state folder is not vLLM's: the umask applies (0700 here), never its parent's
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in state_dir.rglob("*")
+            if p.is_dir()} == {"0o700"}
+
+
+# ------------------------------------------------- state files are input
+
+
+def _journal_after_a_crash(tree, cli, state_dir):
+    """A 0.20.2 tree with a killed apply: its journal (2 entries, the first written)."""
+    site = tree("vllm", "0.20.2", slim=True)
+    cli("apply", *ONLY, NV, *sp(site), env={"DDTREE_PATCH_FAULT": "crash-after:1"},
+        check=70)
+    path = next(state_dir.rglob("journal.json"))
+    return site, path, json.loads(path.read_text())
+
+
+def _sha(p):
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _outside_entry(j, rel, victim):
+    """An added-file entry whose file (outside the tree) holds the 'written' bytes: a
+    rollback removes it."""
+    j["entries"].append({"path": rel, "before": None, "before_sha": None,
+                         "after_sha": _sha(victim), "tmp": f".x.{j['token']}.ddtree-tmp"})
+
+
+def _link_inside_tree(site, victim, j):
+    (site / "vllm/v1/escape").symlink_to(victim.parent)
+    _outside_entry(j, f"vllm/v1/escape/{victim.name}", victim)
+
+
+JOURNALS = {
+    # name: (site, journal folder, journal dict, victim file outside the tree) -> None
+    "temp name leads outside": lambda site, jd, j, v: j["entries"][0].update(
+        tmp=os.path.relpath(v, (site / j["entries"][0]["path"]).parent)),
+    "path with ..": lambda site, jd, j, v: _outside_entry(j, f"vllm/../../{v.name}", v),
+    "absolute path": lambda site, jd, j, v: _outside_entry(j, str(v), v),
+    "path through a link in the tree": lambda site, jd, j, v: _link_inside_tree(site, v, j),
+    "saved copy read from outside": lambda site, jd, j, v: j["entries"][0].update(
+        before=os.path.relpath(v, jd), before_sha=_sha(v)),
+    "new folder outside": lambda site, jd, j, v: j["new_dirs"].append(
+        f"vllm/../../{v.parent.name}/empty"),
+    "NUL in a path": lambda site, jd, j, v: _outside_entry(j, "vllm/a\x00b.py", v),
+}
+
+
+@pytest.mark.parametrize("name", list(JOURNALS))
+def test_hostile_journal_is_refused_not_followed(name, tree, cli, state_dir, tmp_path):
+    site, path, j = _journal_after_a_crash(tree, cli, state_dir)
+    outside = _mkdir(tmp_path / "outside")
+    victim = outside / "victim.py"
+    victim.write_text("# not ddtree-patch's\n")
+    _mkdir(outside / "empty")
+    JOURNALS[name](site, path.parent, j, victim)
+    path.write_text(json.dumps(j))
+    before, around = hashes(site), sorted(os.listdir(outside))
+    for args in (("recover",), ("apply", NV, *ONLY), ("revert",)):
+        r = cli(*args, *sp(site))
+        failed(r, 4)
+        assert "journal" in r.err
+    assert cli("status", "--json", *sp(site), check=4).json["status"] != "clean"
+    assert victim.read_text() == "# not ddtree-patch's\n"
+    assert sorted(os.listdir(outside)) == around
+    assert hashes(site) == before
+
+
+MANIFESTS = {
+    # name: a files row of manifest.json whose path leads outside the tree
+    "added file with ..": "vllm/../../outside/victim.py",
+    "added file, absolute path": None,  # the victim's absolute path
+}
+
+
+@pytest.mark.parametrize("name", list(MANIFESTS))
+def test_hostile_manifest_is_refused_not_followed(name, tree, cli, state_dir, tmp_path):
+    site = tree("vllm", "0.20.2", slim=True)
+    cli("apply", *ONLY, NV, *sp(site), check=0)
+    victim = _mkdir(tmp_path / "outside") / "victim.py"
+    victim.write_text("# not ddtree-patch's\n")
+    path = next(state_dir.rglob("manifest.json"))
+    m = json.loads(path.read_text())
+    m["files"][MANIFESTS[name] or str(victim)] = {
+        "kind": "add", "pre_sha": None, "post_sha": _sha(victim),
+        "transforms": ["dflash-layer-offset"]}
+    path.write_text(json.dumps(m))
+    before = hashes(site)
+    for args in (("revert",), ("revert", "--force"), ("apply", NV)):
+        r = cli(*args, *sp(site))
+        failed(r, 4)
+        assert "manifest" in r.err
+    failed(cli("forget", *sp(site)), 4)  # unreadable, but vLLM's files hold the patch
+    assert victim.read_text() == "# not ddtree-patch's\n" and hashes(site) == before
+
+
+def test_backups_folder_leading_outside_is_refused(tree, cli, state_dir, tmp_path):
+    """A link in the state folder is not written through (a second apply would save
+    its backups wherever the link points)."""
+    site = tree("vllm", "0.20.2", slim=True)
+    cli("apply", *ONLY, NV, *sp(site), check=0)
+    backups = next(state_dir.rglob("backups"))
+    outside = tmp_path / "outside"
+    shutil.move(backups / "vllm", outside)
+    (backups / "vllm").symlink_to(outside)
+    around, before = hashes(outside), hashes(site)
+    r = cli("apply", NV, "--only", "dflash-swa", *sp(site))
+    failed(r, 4)
+    assert "leads outside the state folder" in r.err
+    assert hashes(outside) == around and hashes(site) == before
+
+
+# ------------------------------------------------- RECORD as pip writes it, and worse
+
+
+RECORDS = {
+    "a blank line": lambda b: b.replace(b"\n", b"\n\n", 1),
+    "blank lines at the end": lambda b: b + b"\n \n\n",
+    "CR CR LF endings": lambda b: b.replace(b"\n", b"\r\r\n"),
+    "CR LF endings": lambda b: b.replace(b"\n", b"\r\n"),
+    "CR endings": lambda b: b.replace(b"\n", b"\r"),
+    "no newline at the end": lambda b: b.rstrip(b"\n"),
+}
+
+
+@pytest.mark.parametrize("version", ["0.20.2", "0.33.0"])
+@pytest.mark.parametrize("name", list(RECORDS))
+def test_record_with_odd_lines_is_read(name, version, tree, cli):
+    site = tree("vllm", version, slim=True)
+    record = next(site.glob("*.dist-info")) / "RECORD"
+    record.write_bytes(RECORDS[name](record.read_bytes()))
+    before = sources(site)
+    cli("apply", *PROPOSER, *sp(site), check=0)  # verify --quick: the RECORD check
+    out = cli("revert", "--json", *sp(site), check=0).json
+    assert out["record_mismatches"] == [] and sources(site) == before
+
+
+def _record_row(site, row):
+    record = next(site.glob("*.dist-info")) / "RECORD"
+    record.write_bytes(record.read_bytes() + row)
+    return site
+
+
+# ------------------------------------------------- bytecode
+
+
+def _no_compile(site):
+    """What `pip install --no-compile` leaves: no bytecode, RECORD lists none."""
+    for d in list(site.rglob("__pycache__")):
+        shutil.rmtree(d)
+    record = next(site.glob("*.dist-info")) / "RECORD"
+    record.write_text("".join(line for line in record.read_text().splitlines(True)
+                              if ".pyc," not in line))
+
+
+def test_bytecode_cache_apply_empties_goes_and_only_that(tree, cli):
+    """A module vLLM byte-compiled at run time, alone in its __pycache__: apply removes
+    the stale .pyc and the folder it empties (verify's RECORD check passed only then);
+    a cache that holds another module's bytecode stays."""
+    site = tree("vllm", "0.20.2", slim=True)
+    _no_compile(site)
+    other = "vllm/v1/worker/gpu_input_batch.py"
+    for rel in (ALGOS, RUNNER, other):
+        py_compile.compile(str(site / rel), doraise=True)
+    r = cli("apply", "--json", *ONLY, *sp(site), check=0)
+    assert r.json["verify"]["ok"]
+    assert not (site / ALGOS).parent.joinpath("__pycache__").exists()
+    left = [p.name for p in (site / RUNNER).parent.joinpath("__pycache__").iterdir()]
+    assert [n.split(".")[0] for n in left] == ["gpu_input_batch"]
+    cli("revert", *sp(site), check=0)
+
+
+# ------------------------------------------------- signals and streams
+
+
+def _write_points(cli, site, tmp_path):
+    for _ in range(2):  # the second run counts: the first also removes stale bytecode
+        labels = points(cli, site, tmp_path, "apply", NV, *PROPOSER)
+        cli("revert", *sp(site), check=0)
+    return labels
+
+
+@pytest.mark.parametrize("sig,code", [("INT", 130), ("TERM", 143)])
+def test_signal_while_writing_rolls_back_then_exits_128_plus_signal(sig, code, tree, cli,
+                                                                   tmp_path, state_dir):
+    site = tree("vllm", "0.20.2", slim=True)
+    labels = _write_points(cli, site, tmp_path)
+    before = sources(site)
+    vllm_writes = [i for i, lab in enumerate(labels, 1)
+                   if lab.startswith(f"replaced {site}/vllm/")]
+    for n in (vllm_writes[0], vllm_writes[len(vllm_writes) // 2]):
+        r = cli("apply", NV, *PROPOSER, *sp(site),
+                env={"DDTREE_PATCH_FAULT": f"signal-at:{n}:{sig}"})
+        failed(r, code)
+        assert "rolled back" in r.err
+        assert sources(site) == before and state_files(state_dir) == []
+    commit = next(i for i, lab in enumerate(labels, 1) if lab.endswith("manifest.json"))
+    r = cli("apply", NV, *PROPOSER, *sp(site),
+            env={"DDTREE_PATCH_FAULT": f"signal-at:{commit}:{sig}"})
+    failed(r, code)  # after the commit point: the patch is complete, and kept
+    assert "complete" in r.err
+    assert cli("status", "--json", *sp(site), check=0).json["status"] == "patched"
+
+
+def _closed(fd):
+    return {"preexec_fn": lambda: os.close(fd)}
+
+
+def _broken_pipe(fd):
+    r, w = os.pipe()
+    os.close(r)
+    return {"stdout" if fd == 1 else "stderr": w}
+
+
+STREAMS = {"stderr closed": lambda: _closed(2), "stderr a broken pipe": lambda: _broken_pipe(2),
+           "stdout closed": lambda: _closed(1), "stdout a broken pipe": lambda: _broken_pipe(1)}
+
+
+@pytest.mark.parametrize("stream", list(STREAMS))
+def test_exit_code_does_not_depend_on_the_streams(stream, tree, cli):
+    site = tree("vllm", "0.20.2", slim=True)
+    clean = ("status", *sp(site))
+    cli(*clean, check=0)
+    runner = site / RUNNER
+    drifted = ("apply", NV, *ONLY, *sp(site))
+    for args, code in ((clean, 0), (drifted, 4), (("apply", "--json", *drifted[1:]), 4),
+                       (("apply", "--bogus"), 2)):
+        if args is drifted:
+            runner.write_text(runner.read_text() + "\n# a local edit\n")
+        how = STREAMS[stream]()
+        for k in ("stdout", "stderr"):
+            how.setdefault(k, subprocess.DEVNULL)
+        p = subprocess.run([sys.executable, "-m", "ddtree_patcher.cli", *map(str, args)],
+                           **how)
+        for k in ("stdout", "stderr"):
+            if isinstance(how[k], int) and how[k] > 2:
+                os.close(how[k])
+        assert p.returncode == code, (args, p.returncode)
+
+
+# ================================================= issue #28: installs that lack files
+
+
+SLIM_IMAGE = (".so", ".h", ".hpp", ".cuh", ".cu")
+
+
+def _slim_image(site):
+    """What slim production images do: delete the kernels and headers they do not use
+    (their RECORD still lists them)."""
+    gone = sorted(str(p.relative_to(site)) for p in (site / "vllm").rglob("*")
+                  if p.is_file() and p.name.endswith(SLIM_IMAGE))
+    for rel in gone:
+        (site / rel).unlink()
+    return gone
+
+
+def _edited(version, name="ddtree-proposer"):
+    from ddtree_patcher.plan import registry
+    return [e.path for e in registry()[1][name].family(version).edits]
+
+
+@pytest.mark.parametrize("version", ["0.20.2", "0.33.0"])
+def test_install_lacking_files_it_does_not_touch_is_patched(version, tree, cli, tmp_path):
+    site = tree("vllm", version)
+    gone = _slim_image(site)
+    assert len(gone) > 500
+    before = sources(site)
+    r = cli("apply", *PROPOSER, *sp(site), check=0)  # verify --quick: integrity
+    assert f"lacks {len(gone)} files its RECORD lists" in r.out and gone[0] in r.out
+    assert "the install, not ddtree-patch, is incomplete" in r.out
+    assert "verify: passed integrity" in r.out
+    doc = cli("verify", "--json", *sp(site), check=0).json
+    assert doc["ok"] and str(len(gone)) in json.dumps(doc["checks"][0])
+    # a file that goes missing after the apply is still caught
+    envs, away = site / "vllm" / "envs.py", tmp_path / "envs.py"
+    envs.rename(away)
+    doc = cli("verify", "--json", *sp(site), check=1).json
+    assert "vllm/envs.py: listed in RECORD but missing" in doc["failed"][0]["message"]
+    assert gone[0] not in doc["failed"][0]["message"]
+    r = cli("revert", "--json", *sp(site), check=4)
+    assert [d["path"] for d in r.json["error"]["details"]] == ["vllm/envs.py"]
+    away.rename(envs)
+    cli("apply", *PROPOSER, NV, *sp(site), check=0)
+    r = cli("revert", *sp(site), check=0)
+    assert f"{len(gone)} files RECORD lists are missing, as they were before" in r.out
+    assert sources(site) == before
+
+
+@pytest.mark.parametrize("version", ["0.20.2", "0.33.0"])
+def test_install_lacking_a_file_it_must_edit_is_refused(version, tree, cli):
+    site = tree("vllm", version)
+    gone = _slim_image(site)
+    edited = _edited(version)[-1]
+    (site / edited).unlink()
+    before = hashes(site)
+    for args in (("apply", *PROPOSER), ("apply", "--dry-run", *PROPOSER)):
+        r = cli(*args, *sp(site))
+        failed(r, 3)
+        assert f"lacks {len(gone) + 1} files its RECORD lists" in r.err
+        assert edited in r.err and "--force-reinstall" in r.err.split("next: ")[1]
+    assert hashes(site) == before

@@ -1,7 +1,9 @@
 """kill -9 at every write point of apply, revert and recover on a real vLLM 0.20.2 tree
 (kill_driver.py says how): nothing foreign at the kill, the tool's own advice leads
 back to the pristine release (RECORD-clean, no unlisted files or folders, no state
-left), and after an in-place upgrade to 0.33.0 no 0.20.2 byte is ever written."""
+left), and after an in-place upgrade to 0.33.0 no 0.20.2 byte is ever written.  Also
+(issue #30) kills around the removal of a __pycache__ apply empties, and SIGINT /
+SIGTERM at write points: rolled back before the exit, which is 130 / 143."""
 
 import json
 import os
@@ -59,6 +61,18 @@ def test_upgrade_after_a_killed_apply_gets_no_old_bytes(harness):
     assert out["failures"] == [], json.dumps(out["failures"], indent=1)[:6000]
     assert len(out["tried"]) >= 4
     assert all(t["advice"].count("forget") == 1 for t in out["tried"]), out["tried"]
+
+
+def test_a_kill_around_bytecode_cleanup_leaves_no_empty_cache(harness):
+    out = harness["bytecode"]
+    assert out["failures"] == [], json.dumps(out["failures"], indent=1)[:6000]
+    assert any(p.startswith("rmdir ") and p.endswith("/__pycache__") for p in out["points"])
+
+
+def test_signals_roll_back_then_exit_128_plus_the_signal(harness):
+    out = harness["signals"]
+    assert out["failures"] == [], json.dumps(out["failures"], indent=1)[:6000]
+    assert len(out["points"]) >= 60 and out["commit"] < len(out["points"])
 
 
 def test_tree_ends_record_clean(harness):
