@@ -6,7 +6,9 @@ K = V = 128, conv width 4, bf16 activations, fp32 state).
     python bench/gpu/gdn_bench.py [--budgets 16,64,256] [--batches 1,8] [--out FILE]
 
 Per (B, batch N), median of --reps CUDA-graph replays (eager too with --eager):
-  tree verify   tree conv + gates + tree-masked delta rule (outputs of B+1 rows)
+  tree verify   tree conv + gates + tree-masked delta rule (outputs of B+1 rows);
+                also with the state as the engine passes it (bf16 [HV, V, K] cache rows
+                gathered by slot, transposed): tree_verify_engine_state_us
   tree commit   state + conv history along a depth-L accepted path
   tree / step   ancestor mask + conv windows (once per step, shared by all layers)
   chain k=15    vLLM's causal_conv1d_update + fused_sigmoid_gating_delta_rule_update
@@ -132,9 +134,24 @@ def bench_tree(c: dict, reps: int, graph: bool) -> dict:
         tree_gdn_commit(c["h0"], out["stash"], c["rows"], c["num"], out=state)
         conv_commit(c["x"], c["hist"], plan["win"], c["rows"], c["num"])
 
+    # the state as the engine hands it over: vLLM's bf16 cache [slots, HV, V, K],
+    # gathered by slot and viewed [N, HV, K, V] (gdn/cuda.py: ssm_state[slots].transpose)
+    cache = c["h0"].transpose(-1, -2).to(torch.bfloat16).contiguous()
+    slots = torch.arange(cache.shape[0], device=cache.device)
+
+    def verify_engine_state():
+        y = tree_conv1d(c["x"], c["hist"], c["weight"], None, plan["win"])
+        n, t = y.shape[:2]
+        g, beta = gdn_gates(c["a"], c["b"], c["A_log"], c["dt_bias"])
+        tree_gdn_verify(y[..., : H * K].view(n, t, H, K),
+                        y[..., H * K: 2 * H * K].view(n, t, H, K),
+                        y[..., 2 * H * K:].view(n, t, HV, V), g, beta,
+                        cache[slots].transpose(-1, -2), plan["mask"], scale=K ** -0.5)
+
     verify()
     return {"tree_step_us": timed(per_step, reps, graph),
             "tree_verify_us": timed(verify, reps, graph),
+            "tree_verify_engine_state_us": timed(verify_engine_state, reps, graph),
             "tree_commit_us": timed(commit, reps, graph)}
 
 
