@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import HAS_CUDA, INTERPRET, payload_module
+from .conftest import HAS_CUDA, INTERPRET, payload_module, spec_config
 
 DEVS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
@@ -133,7 +133,7 @@ def make_runner(dev, core, v2_step, temperature=0.0):
         draft_tokens=draft_tokens)
     runner = SimpleNamespace(
         device=torch.device(dev), max_num_reqs=4, req_states=req_states,
-        speculative_config=SimpleNamespace(ddtree_budget=B),
+        speculative_config=spec_config(B, L),
         speculator=SimpleNamespace(num_speculative_steps=L, trees=trees, expect=None,
                                    draft_attn_layer_names={"drafter.layers.0.attn"}),
         model_state=SimpleNamespace(),

@@ -56,13 +56,30 @@ ddtree_budget_control: str | None = None
 per step the budget, or the drafter's top-1 chain, that maximises expected tokens/s
 (vllm/v1/spec_decode/ddtree/core/budget.py).  V2 runner (default auto when no budgets
 are given): "auto" plays the tree or the chain at each batch size whose budget is a
-tree, whichever measured more tokens/s (vllm/v1/spec_decode/ddtree/arms.py)."""
+tree, whichever measured more tokens/s (vllm/v1/spec_decode/ddtree/sched/arms.py)."""
 ddtree_budgets: list[int] | None = None
-"""DDTree with ddtree_budget_control="auto": the budgets to choose from (<= B)."""
+"""DDTree on the V1 runner with ddtree_budget_control="auto": the budgets to choose
+from (<= B)."""
 ddtree_chain_budget: int | None = None
 """DDTree on the V2 runner: verify steps of at most this many drafts per request run as
 the DFlash chain (top-1 drafts, the backend's causal attention, no KV compaction); with
 num_speculative_tokens_per_batch_size, large batches cost what the chain costs."""
+ddtree_split_attn: str | None = None
+"""DDTree on CUDA: split tree attention (the context through the backend's kernel, the
+tree through Triton): "auto" (default: batches of 4 or more requests), "on", "off"."""
+ddtree_build_graphs: bool | None = None
+"""DDTree on the V2 runner: the tree build replays its own CUDA graphs (default on)."""
+ddtree_chain_graphs: bool | None = None
+"""DDTree on the V2 runner: the chain arm drafts from its own draft graphs (default
+on)."""
+ddtree_arms: list[int] | None = None
+"""DDTree on the V2 runner with ddtree_budget_control="auto": [window, explore] pins
+the tree-vs-chain choice (default: WINDOW 4, EXPLORE 16, the window adapting)."""
+ddtree_cost_table: str | None = None
+"""DDTree on the V1 runner with ddtree_budget_control="auto": a step-cost table (JSON)
+for every rank (default: the shipped table of the GPU)."""
+ddtree_config: SkipValidation[object] = None  # type: ignore
+"""DDTree's settings, parsed once from the keys above (set by DDTree, not a key)."""
 '''
 
 

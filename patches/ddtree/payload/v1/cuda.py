@@ -77,7 +77,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         super().__init__(runner)
         dev = runner.device
         self.max_reqs = runner.max_num_reqs
-        self.state = TreeState(self.max_reqs, self.budget, dev)
+        self.state = TreeState(self.max_reqs, self.budget, dev, self.config.split_attn)
         self._latest = None  # ({req_id: row}, DDTree) from the proposer's last call
         self._dirty = False
         cap = 3 * self.max_reqs + self.max_reqs * max(self.budget, 1) + 16

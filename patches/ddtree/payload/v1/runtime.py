@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import settings
 from ..core import DDTree, ancestor_mask
 from ..gdn.cpu import gdn_commit
 from ..stats import Stats
@@ -56,9 +57,9 @@ class DDTreeRuntime:
                 "DDTreeRuntime verifies trees with the CPU attention backend; CUDA "
                 "runners take cuda_runtime.CudaDDTreeRuntime (cuda_runtime.make_runtime)")
         self.runner = runner
-        spec = runner.speculative_config
-        self.budget = spec.ddtree_budget
-        self.depth = spec.ddtree_depth
+        self.config = settings.of(runner.speculative_config)
+        self.budget = self.config.budget
+        self.depth = self.config.depth
         self.trees: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.step: Step | None = None
         self.walk = None

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import settings
 from ..core import step as step_kernels
 from . import step as v2_step
 from ..core import DDTree, compact_kv
@@ -97,7 +98,7 @@ def check_runner(runner) -> None:
         raise NotImplementedError(
             "method='ddtree' on vLLM's V2 model runner does not support "
             + "; ".join(bad) + ". Drop it, or run DDTree on the V1 runner "
-            "(VLLM_DDTREE_V2=0, or VLLM_USE_V2_MODEL_RUNNER=0).")
+            "(VLLM_USE_V2_MODEL_RUNNER=0).")
 
 
 def _model_states() -> tuple:
@@ -122,15 +123,15 @@ class V2DDTree:
         from .sampler import DDTreeV2Sampler
 
         self.runner = runner
-        spec = runner.speculative_config
-        self.budget = spec.ddtree_budget
+        self.config = settings.of(runner.speculative_config)
+        self.budget = self.config.budget
         self.speculator = runner.speculator
         self.chain_budget = getattr(self.speculator, "chain_budget", 0) or 0
         self.depth = self.speculator.num_speculative_steps  # L drafter positions
         self.trees = self.speculator.trees
         dev = runner.device
         self.max_reqs = runner.max_num_reqs
-        self.state = TreeState(self.max_reqs, self.budget, dev)
+        self.state = TreeState(self.max_reqs, self.budget, dev, self.config.split_attn)
         self.fused = v2_step.use_fused(dev)
         self._pack = torch.zeros(3 * self.max_reqs, dtype=torch.int64, device=dev)
         self._wpar = torch.zeros(self.max_reqs * self.budget, dtype=torch.int64, device=dev)
