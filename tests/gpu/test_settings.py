@@ -82,7 +82,10 @@ def test_bad_or_misplaced_keys_are_refused(v2, keys, match):
     ("VLLM_DDTREE_SPLIT_ATTN", "yes", False, "split_attn", "on"),  # was "never" before
     ("VLLM_DDTREE_SPLIT_ATTN", "0", True, "split_attn", "off"),
     ("VLLM_DDTREE_SPLIT_ATTN", "AUTO", True, "split_attn", "auto"),
-    ("VLLM_DDTREE_BUILD_GRAPHS", "0", True, "build_graphs", False),
+    ("VLLM_DDTREE_BUILD_GRAPHS", " 0 ", True, "build_graphs", False),
+    ("VLLM_DDTREE_BUILD_GRAPHS", "1", True, "build_graphs", True),
+    ("VLLM_DDTREE_CHAIN_GRAPHS", "0", True, "chain_graphs", False),
+    ("VLLM_DDTREE_CHAIN_GRAPHS", "1", True, "chain_graphs", True),
     ("VLLM_DDTREE_BUILD_GRAPHS", "0", False, "build_graphs", True),  # V1: not read
     ("VLLM_DDTREE_CHAIN_GRAPHS", "false", True, "chain_graphs", False),  # was "on"
     ("VLLM_DDTREE_ARMS", "1,2", True, "arms", None),  # without the choice: unused
