@@ -56,7 +56,7 @@ def _kv_cache(layout: str, dev, bs: int):
 @pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if HAS_CUDA else []))
 def test_one_verify_step(dev, fused, layout, monkeypatch):
     """fused: the Triton bookkeeping of core/step.py (CUDA, or the CPU interpreter);
-    otherwise its torch reference in cuda_runtime.py.  Same assertions for both, for
+    otherwise its torch reference there.  Same assertions for both, for
     the KV layouts of 0.20.x and of 0.32/0.33."""
     if fused and dev == "cpu" and not INTERPRET:
         pytest.skip("the fused kernels on the CPU need TRITON_INTERPRET=1")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import settings
-from ..core import DDTree, ancestor_mask
+from ..core import DDTree, ancestor_mask, chain_depths, chain_parents
 from ..gdn.cpu import gdn_commit
 from ..stats import Stats
 
@@ -107,8 +107,7 @@ class DDTreeRuntime:
             if stored is not None and torch.equal(stored[0][:d].to(dev), tok):
                 par, dep = stored[1][:d].to(dev), stored[2][:d].to(dev)
             else:  # no tree for these tokens: verify them as a chain (still exact)
-                par = torch.arange(-1, d - 1, device=dev)
-                dep = torch.arange(1, d + 1, device=dev)
+                par, dep = chain_parents(d, dev), chain_depths(d, dev)
             root = qsl[i + 1] - 1 - d
             root_rows.append(root)
             tokens[i, :d], parents[i, :d], depths[i, :d], num[i] = tok, par, dep, d

@@ -2,7 +2,7 @@
 (vllm/v1/worker/gpu/, the default on GPU from 0.29).  One per model runner, made in
 ``load_model`` right after the rejection sampler (whose place its sampler takes).
 
-Step order, all on the GPU without host syncs (v2_step.py):
+Step order, all on the GPU without host syncs (v2/step.py, core/step.py):
   prepare()  after ``prepare_attn`` computed the slot mappings (from linear
              positions): tree rows get position = root + depth, the TreeState rows
              (has_tree, ancestor masks) come from the trees the speculator stored
@@ -132,7 +132,7 @@ class V2DDTree:
         dev = runner.device
         self.max_reqs = runner.max_num_reqs
         self.state = TreeState(self.max_reqs, self.budget, dev, self.config.split_attn)
-        self.fused = v2_step.use_fused(dev)
+        self.fused = step_kernels.use_fused(dev)
         self._pack = torch.zeros(3 * self.max_reqs, dtype=torch.int64, device=dev)
         self._wpar = torch.zeros(self.max_reqs * self.budget, dtype=torch.int64, device=dev)
         width = self.max_reqs * max(self.depth, 1)
@@ -172,8 +172,8 @@ class V2DDTree:
                            runner.req_states.prefill_len.gpu, self.trees.num_nodes,
                            self.fused, chain)
         parents = self._wpar[: n * self.budget].view(n, self.budget)
-        v2_step.prepare(pack, n, self.budget, self.trees, input_batch.positions,
-                        self.state.has_tree, self.state.mask, parents, self.fused)
+        step_kernels.prepare(pack, n, self.budget, self.trees, input_batch.positions,
+                             self.state.has_tree, self.state.mask, parents, self.fused)
         self._dirty = True
         if self.gdn is not None:
             self.gdn.note_step()
@@ -254,12 +254,12 @@ class V2DDTree:
         n, dev = step.n, step.pack.device
         rows, nacc, src, dst, start, neff = step_kernels.commit_views(
             walk, n, dev, self._src, self._dst, self._start, self._neff)
-        v2_step.commit(step.pack, n, rows, nacc, input_batch.positions, input_batch.input_ids,
-                       src, dst, start, neff, self.fused)
+        step_kernels.commit(step.pack, n, rows, nacc, input_batch.positions,
+                            input_batch.input_ids, src, dst, start, neff, self.fused)
         if walk is None:
             return
         hs = list(aux_hidden_states) if aux_hidden_states else [last_hidden_states]
-        v2_step.move_rows(hs, src, dst, self.fused)
+        step_kernels.move_rows(hs, src, dst, self.fused)
         tables = self.runner.block_tables
         for gid, caches in self._target_kv():
             compact_kv(caches, tables.input_block_tables[gid][:n], tables.block_sizes[gid],
