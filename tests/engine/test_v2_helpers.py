@@ -480,6 +480,13 @@ def _check_runner_refusals(v2r, spec) -> None:
         raise AssertionError("adaptive verification was not refused on V2")
     except NotImplementedError as e:
         assert "adaptive verification" in str(e), e
+    sc.enable_adaptive_verification = False
+    cfg.parallel_config.pipeline_parallel_size = 2  # (config.py refuses it first)
+    try:
+        v2r.check_runner(runner)
+        raise AssertionError("pipeline parallelism was not refused on V2")
+    except NotImplementedError as e:
+        assert "pipeline parallelism" in str(e), e
 
 
 def speculator_main(target: str, drafter: str, mixed: str) -> None:

@@ -106,3 +106,16 @@ def test_budget_control_under_tp_needs_one_cost_table(monkeypatch):
     monkeypatch.delenv("VLLM_DDTREE_COST_TABLE")
     cfg.ddtree_vllm_config(vc)  # one rank: its own table
     assert spec.ddtree_config.cost_table is None
+
+
+def test_the_v2_runtime_names_the_same_kinds():
+    """One list of refusals: config.py raises the first, the V2 runtime's check_runner
+    names every kind (tests/engine/test_v2_helpers.py runs it)."""
+    unsupported = payload_module("config").unsupported_parallelism
+    par = _par(pipeline_parallel_size=2, enable_dbo=True, decode_context_parallel_size=2,
+               prefill_context_parallel_size=2)
+    assert [k for k, _ in unsupported(par)] == [
+        "pipeline parallelism", "micro-batching (DBO)", "context parallelism (PCP/DCP)",
+        "context parallelism (PCP/DCP)"]
+    assert unsupported(SimpleNamespace(use_ubatching=True))[0][0] == "micro-batching (DBO)"
+    assert unsupported(_par(tensor_parallel_size=8)) == []

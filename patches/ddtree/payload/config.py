@@ -254,31 +254,47 @@ def ddtree_vllm_config(vllm_config) -> None:
         spec.ddtree_config = settings.build(spec, _uses_v2(vllm_config), tp)
 
 
-def refuse_parallelism(par) -> None:
-    """Tensor parallelism is supported (every rank builds and walks the same trees);
-    the other kinds of parallelism are refused until proven."""
+def unsupported_parallelism(par) -> list[tuple[str, str]]:
+    """(kind, refusal with what to do) for every kind of parallelism in ``par`` that
+    DDTree does not run yet; tensor parallelism runs (every rank builds and walks the
+    same trees).  config.py refuses the first at configuration, the V2 runtime names
+    them all (v2/runtime.py: check_runner)."""
     tp = "tensor parallelism (--tensor-parallel-size) is supported"
-    if par.pipeline_parallel_size > 1:
-        raise ValueError("method='ddtree' does not support pipeline parallelism yet "
-                         f"(pipeline_parallel_size={par.pipeline_parallel_size}): use "
-                         f"tensor parallelism instead; {tp}")
-    if getattr(par, "data_parallel_size", 1) > 1:
-        raise ValueError("method='ddtree' does not support data parallelism yet "
-                         f"(data_parallel_size={par.data_parallel_size}): run one "
-                         "engine per replica behind a load balancer instead; " + tp)
+    out = []
+    pp = getattr(par, "pipeline_parallel_size", 1)
+    if pp > 1:
+        out.append(("pipeline parallelism", "method='ddtree' does not support pipeline "
+                    f"parallelism yet (pipeline_parallel_size={pp}): use tensor "
+                    f"parallelism instead; {tp}"))
+    dp = getattr(par, "data_parallel_size", 1)
+    if dp > 1:
+        out.append(("data parallelism", "method='ddtree' does not support data "
+                    f"parallelism yet (data_parallel_size={dp}): run one engine per "
+                    "replica behind a load balancer instead; " + tp))
     if getattr(par, "enable_expert_parallel", False) or getattr(par, "enable_eplb", False):
-        raise ValueError("method='ddtree' is not proven with expert parallelism yet: "
-                         "drop enable_expert_parallel / enable_eplb "
-                         f"(--enable-expert-parallel, --enable-eplb); {tp}")
-    if getattr(par, "enable_dbo", False) or getattr(par, "ubatch_size", 0) > 1:
-        raise ValueError("method='ddtree' does not support micro-batching (dual batch "
-                         "overlap) yet: drop enable_dbo / ubatch_size (--enable-dbo)")
+        out.append(("expert parallelism", "method='ddtree' is not proven with expert "
+                    "parallelism yet: drop enable_expert_parallel / enable_eplb "
+                    f"(--enable-expert-parallel, --enable-eplb); {tp}"))
+    if getattr(par, "enable_dbo", False) or getattr(par, "ubatch_size", 0) > 1 or \
+            getattr(par, "use_ubatching", False):
+        out.append(("micro-batching (DBO)", "method='ddtree' does not support "
+                    "micro-batching (dual batch overlap) yet: drop enable_dbo / "
+                    "ubatch_size (--enable-dbo)"))
     for name, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
                        ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
         size = getattr(par, name, 1)
         if size > 1:
-            raise ValueError(f"method='ddtree' does not support context parallelism yet "
-                             f"({name}={size}): leave {flag} at 1; {tp}")
+            out.append(("context parallelism (PCP/DCP)", "method='ddtree' does not "
+                        f"support context parallelism yet ({name}={size}): leave {flag} "
+                        f"at 1; {tp}"))
+    return out
+
+
+def refuse_parallelism(par) -> None:
+    """Refuse the first kind of parallelism DDTree does not run (unsupported_parallelism)."""
+    bad = unsupported_parallelism(par)
+    if bad:
+        raise ValueError(bad[0][1])
 
 
 def refuse_recurrent_target(vllm_config) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .. import settings
+from ..config import unsupported_parallelism
 from ..core import step as step_kernels
 from . import step as v2_step
 from ..core import DDTree, compact_kv
@@ -70,14 +71,7 @@ def check_runner(runner) -> None:
                    + " (dense decoder-only targets only)")
     elif getattr(ms, "num_new_sampled_tokens_per_step", 1) != 1:
         bad.append("a model that samples more than one token per step")
-    if par.pipeline_parallel_size > 1:
-        bad.append("pipeline parallelism")
-    if par.data_parallel_size > 1:
-        bad.append("data parallelism")
-    if par.prefill_context_parallel_size > 1 or par.decode_context_parallel_size > 1:
-        bad.append("context parallelism (PCP/DCP)")
-    if getattr(par, "use_ubatching", False):
-        bad.append("micro-batching (DBO)")
+    bad.extend(dict.fromkeys(kind for kind, _ in unsupported_parallelism(par)))
     if getattr(par, "enable_batch_sharded_sampling", False):
         bad.append("batch-sharded sampling")
     if getattr(cfg, "watermark_config", None) is not None:
