@@ -180,7 +180,8 @@ def test_v2_gate(pristine, config_module, monkeypatch, version):
         parallel_config = SimpleNamespace(distributed_executor_backend="mp",
                                           pipeline_parallel_size=1, use_ubatching=False)
         speculative_config = SimpleNamespace(method="dflash", ddtree_budget=8,
-                                             parallel_drafting=False)
+                                             parallel_drafting=False,
+                                             use_ddtree=lambda: True)
 
     monkeypatch.delenv("VLLM_DDTREE_V2", raising=False)
     assert config_module.V2_DEFAULT is True
@@ -194,7 +195,8 @@ def test_v2_gate(pristine, config_module, monkeypatch, version):
     monkeypatch.delenv("VLLM_DDTREE_V2")
     assert fn(Cfg()) == []
     Cfg.speculative_config = SimpleNamespace(method="dflash", ddtree_budget=None,
-                                             parallel_drafting=False)
+                                             parallel_drafting=False,
+                                             use_ddtree=lambda: False)
     monkeypatch.setattr(config_module, "V2_DEFAULT", False)
     assert fn(Cfg()) == []  # plain DFlash: stock
 
