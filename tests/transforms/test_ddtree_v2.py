@@ -333,6 +333,9 @@ def test_v2_default_budget_per_batch_size(config_module, monkeypatch, given, wan
     dc = spec.ddtree_config
     assert dc.v2 and dc.budget == spec.ddtree_budget and dc.depth == 7
     assert (dc.chain_budget, dc.budget_control) == (want_chain or 0, want_control or "off")
+    # vLLM re-runs the hook on copies of the engine config: the same object (channel)
+    config_module.ddtree_vllm_config(cfg)
+    assert spec.ddtree_config is dc
 
 
 @pytest.mark.parametrize("given,match", [

@@ -251,7 +251,11 @@ def ddtree_vllm_config(vllm_config) -> None:
     default_batch_policy(vllm_config, spec)
     if settings.enabled(spec):
         tp = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
-        spec.ddtree_config = settings.build(spec, _uses_v2(vllm_config), tp)
+        cfg = settings.build(spec, _uses_v2(vllm_config), tp)
+        # vLLM re-runs this hook on copies of the config (dataclasses.replace): the same
+        # settings keep their object, whose channel the scheduler and worker may hold
+        if getattr(spec, "ddtree_config", None) != cfg:
+            spec.ddtree_config = cfg
 
 
 def unsupported_parallelism(par) -> list[tuple[str, str]]:
