@@ -194,6 +194,12 @@ def test_v2_gate(pristine, config_module, monkeypatch, version):
     assert fn(Cfg()) == ["DDTree tree speculative decoding"]
     monkeypatch.delenv("VLLM_DDTREE_V2")
     assert fn(Cfg()) == []
+    # VLLM_USE_V2_MODEL_RUNNER=1 asks for V2 (vLLM then refuses any unsupported feature)
+    monkeypatch.setattr(config_module, "_on_cuda", lambda: False)
+    monkeypatch.setattr(config_module, "runner_env", lambda: True)
+    assert fn(Cfg()) == []
+    monkeypatch.setattr(config_module, "runner_env", lambda: None)
+    assert fn(Cfg()) == ["DDTree tree speculative decoding"]
     Cfg.speculative_config = SimpleNamespace(method="dflash", ddtree_budget=None,
                                              parallel_drafting=False,
                                              use_ddtree=lambda: False)

@@ -22,10 +22,22 @@ def _on_cuda() -> bool:
         return False
 
 
+def runner_env():
+    """vLLM's VLLM_USE_V2_MODEL_RUNNER: True / False, or None where vLLM chooses."""
+    try:
+        import vllm.envs as vllm_envs
+
+        return vllm_envs.VLLM_USE_V2_MODEL_RUNNER
+    except Exception:  # noqa: BLE001  (no vLLM to ask: vLLM chooses)
+        return None
+
+
 def ddtree_v2_enabled() -> bool:
-    """May vLLM pick its V2 model runner for DDTree (asked when VLLM_USE_V2_MODEL_RUNNER
-    is unset)?  On CUDA (V2_DEFAULT), not elsewhere; the deprecated VLLM_DDTREE_V2=0/1
-    still decides for one release."""
+    """May DDTree run on vLLM's V2 model runner (VllmConfig's unsupported features)?
+    Where VLLM_USE_V2_MODEL_RUNNER=1 asks for it, yes; where vLLM chooses, on CUDA
+    (V2_DEFAULT), not elsewhere, or as the deprecated VLLM_DDTREE_V2=0/1 says."""
+    if runner_env():
+        return True
     old = envs.deprecated("VLLM_DDTREE_V2")
     if old is not None:
         return envs.flag(old, "VLLM_DDTREE_V2")
@@ -235,9 +247,7 @@ def ddtree_vllm_config(vllm_config) -> None:
     """Engine-wide settings DDTree needs (start of VllmConfig.__post_init__); the
     engine's DDTreeConfig (settings.py) goes to speculative_config.ddtree_config."""
     sched = vllm_config.scheduler_config
-    import vllm.envs as vllm_envs
-
-    check_runner_choice(vllm_config, vllm_envs.VLLM_USE_V2_MODEL_RUNNER)
+    check_runner_choice(vllm_config, runner_env())
     if not ddtree_async_enabled(vllm_config):
         if sched.async_scheduling:
             why = "with VLLM_DDTREE_ASYNC=0 (deprecated)" if _uses_v2(vllm_config) \

@@ -58,9 +58,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._max_context = max(n * (k + 1) for n, k in enumerate(self._budget_at))
         draft_spec = copy.copy(spec)
         draft_spec.num_speculative_tokens = depth
-        cfg = copy.copy(vllm_config)
-        cfg.speculative_config = draft_spec
-        super().__init__(cfg, device)
+        draft_cfg = copy.copy(vllm_config)
+        draft_cfg.speculative_config = draft_spec
+        super().__init__(draft_cfg, device)
         # model loading and attention setup see the engine's own speculative config
         self.vllm_config.speculative_config = spec
         if self.draft_logits is not None:
