@@ -78,7 +78,7 @@ the tree-vs-chain choice (default: WINDOW 4, EXPLORE 16, the window adapting).""
 ddtree_cost_table: str | None = None
 """DDTree on the V1 runner with ddtree_budget_control="auto": a step-cost table (JSON)
 for every rank (default: the shipped table of the GPU)."""
-ddtree_config: SkipValidation[object] = None  # type: ignore
+ddtree_config: SkipValidation[Any] = None  # type: ignore
 """DDTree's settings, parsed once from the keys above (set by DDTree, not a key)."""
 '''
 
