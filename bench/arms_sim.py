@@ -35,6 +35,7 @@ from gpu.conftest import payload_module  # noqa: E402
 
 arms = payload_module("sched.arms")
 v2_arms = payload_module("sched.paired")
+channel = payload_module("sched.channel")
 L, V, B, C = 15, 2000, 64, 15
 PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
             "p90": [0.9, 0.05, 0.02], "weak": [0.3, 0.1]}
@@ -50,8 +51,9 @@ def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=Non
     times; ``switch_ms`` is added to a step whose arm differs from the step before."""
     vals, idx, lse, walk, hits = pool
     tree_acc, chain_acc = walk.num_accepted, hits[:, :C].sum(1)
-    ex = v2_arms.ArmExpect([reqs], C, L, max_reqs=reqs, device="cpu")
-    lookup = arms.ArmLookup([0] + [B] * reqs, C)
+    ch = channel.ArmChannel()  # one engine's: both halves in one process
+    ex = v2_arms.ArmExpect([reqs], C, L, max_reqs=reqs, device="cpu", channel=ch)
+    lookup = arms.ArmLookup([0] + [B] * reqs, C, ch)
     clock = [0.0]
     lookup.clock = lambda: clock[0] / 1000
     slots, valid = torch.arange(reqs), torch.ones(reqs, dtype=torch.bool)

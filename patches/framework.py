@@ -372,3 +372,43 @@ def file_edit(path: str, steps: Sequence[Step], what: str = "") -> FileEdit:
         return all(_step_applied(source, st) for st in steps)
 
     return FileEdit(path, apply, is_applied, what)
+
+
+# ---------------------------------------------------------------- hooks
+
+
+def hook_code(body: str, guard: str = "", imports: tuple[str, str] | None = None,
+              package: str = "", orelse: str = "") -> str:
+    """The code of one hook: ``if guard:`` (nothing when ``guard`` is ""), then
+    ``from package.module import names`` (``imports`` = (module, names)) and ``body``;
+    ``orelse``: the ``else:`` branch."""
+    lines = []
+    if imports is not None:
+        module, names = imports
+        lines += [f"from {package}.{module} import {names}"] + ([""] if guard else [])
+    lines += textwrap.dedent(body).strip("\n").splitlines()
+    if not guard:
+        return "\n".join(lines) + "\n"
+    code = f"if {guard}:\n" + "".join(f"    {x}\n" if x else "\n" for x in lines)
+    if orelse:
+        code += "else:\n" + "".join(f"    {x}\n" for x in
+                                       textwrap.dedent(orelse).strip("\n").splitlines())
+    return code
+
+
+def hook(qualname: str, body: str, *, guard: str = "",
+         imports: tuple[str, str] | None = None, package: str = "", orelse: str = "",
+         at: Callable[[str], bool] | None = None, before: bool = False,
+         replace: bool = False, marker: str | Callable[[str], bool] = "") -> Step:
+    """A Step that writes one hook into ``qualname``: its code (hook_code) at the start
+    of the function, or after (``before``: before; ``replace``: instead of) the one
+    statement ``at`` selects.  Applied when ``marker`` (default: the body's first line)
+    is in the function."""
+    code = hook_code(body, guard, imports, package, orelse)
+    if at is None:
+        apply = functools.partial(insert_at_start, qualname=qualname, code=code)
+    else:
+        apply = functools.partial(insert_near, qualname=qualname, match=at, code=code,
+                                  before=before, replace=replace)
+    first = textwrap.dedent(body).strip("\n").splitlines()[0].strip()
+    return Step(qualname, apply, marker or first)

@@ -133,8 +133,7 @@ def reset_arms(llm) -> None:
     lookup = arms_of(llm)
     if lookup is None:
         return
-    llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup = \
-        type(lookup)(list(lookup), lookup.chain)
+    llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup = lookup.renew()
     spec = getattr(runner_of(llm), "speculator", None)
     ex = getattr(spec, "expect", None)
     if ex is not None:

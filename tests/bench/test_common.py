@@ -19,10 +19,12 @@ def test_reset_arms_renews_both_halves():
     from tests.gpu.conftest import payload_module
 
     arms, v2_arms = payload_module("sched.arms"), payload_module("sched.paired")
+    ch = payload_module("sched.channel").ArmChannel()
     C = _common()
-    lookup = arms.ArmLookup([0, 64, 64], 15)
+    lookup = arms.ArmLookup([0, 64, 64], 15, ch, pinned=(1, 2))
     lookup.stats[(1, 64)].add(5, 0.008)
-    ex = v2_arms.ArmExpect([1, 2], 15, 15, 4, "cpu")
+    ex = v2_arms.ArmExpect([1, 2], 15, 15, 4, "cpu", channel=ch)
+    ch.expected[1] = (2.0, 1.5)
     ex.sums[1] = 3.0
     sched = SimpleNamespace(dynamic_sd_lookup=lookup)
     spec = SimpleNamespace(expect=ex)
@@ -35,6 +37,8 @@ def test_reset_arms_renews_both_halves():
     fresh = sched.dynamic_sd_lookup
     assert fresh is not lookup and list(fresh) == [0, 64, 64] and fresh.chain == 15
     assert fresh.stats[(1, 64)].steps == 0
+    # the engine's channel, emptied, and the pinned window stay
+    assert fresh.channel is ch and ch.expected == {} and fresh.pinned == (1, 2)
     assert spec.expect is ex and float(ex.sums.abs().sum()) == 0
 
 

@@ -71,10 +71,12 @@ def test_cost_table_json_and_device_lookup(tmp_path, monkeypatch):
         assert a.tree_ms(n, q) == b.tree_ms(n, q)
         assert a.chain_ms(n, 16) == b.chain_ms(n, 16)
     assert CostTable.for_device("NVIDIA H200").tree_ms(1, 65) == 10.35
-    with pytest.raises(ValueError, match="VLLM_DDTREE_COST_TABLE"):
+    with pytest.raises(ValueError, match="ddtree_cost_table"):
         CostTable.for_device("NVIDIA A10G")
-    monkeypatch.setenv("VLLM_DDTREE_COST_TABLE", str(path))
-    assert CostTable.for_device("NVIDIA A10G").tree_ms(4, 33) == 12.20
+    monkeypatch.setenv("VLLM_DDTREE_COST_TABLE", str(path))  # read at configuration only
+    with pytest.raises(ValueError, match="ddtree_cost_table"):
+        CostTable.for_device("NVIDIA A10G")
+    assert CostTable.for_device("NVIDIA A10G", str(path)).tree_ms(4, 33) == 12.20
 
 
 def test_control_mode_and_default_budgets():

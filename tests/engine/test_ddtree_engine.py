@@ -148,8 +148,8 @@ def _auto(cfg: dict, work: Path) -> dict:
     table = work / "costs.json"
     table.write_text(json.dumps(COSTS))
     sc = cfg["llm"]["speculative_config"]
-    sc.update(ddtree_budget_control="auto", ddtree_budgets=[2, 4, 8])
-    cfg["env"] = {**cfg.get("env", {}), "VLLM_DDTREE_COST_TABLE": str(table)}
+    sc.update(ddtree_budget_control="auto", ddtree_budgets=[2, 4, 8],
+              ddtree_cost_table=str(table))
     return cfg
 
 

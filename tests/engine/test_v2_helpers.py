@@ -16,8 +16,9 @@ them and DDTree's code in between:
 
 Batch: a verify step whose accepted path goes through a later sibling, a prefill
 chunk, and a verify step whose drafts the scheduler cut to 4 of the tree's 6 nodes.
-A second test runs in a patched copy of the env: vLLM's own runner choice with the V2
-gate (VLLM_DDTREE_V2) for a full-attention and a mixed [S,S,S,S,F] drafter, and
+A second test runs in a patched copy of the env: vLLM's own runner choice
+(VLLM_USE_V2_MODEL_RUNNER; the deprecated VLLM_DDTREE_V2) for a full-attention and a
+mixed [S,S,S,S,F] drafter, DDTree's keys through the real SpeculativeConfig, and
 the patched ``init_speculator`` building a DDTreeSpeculator from a real VllmConfig
 (L-sized drafter, the engine's config untouched) that loads its drafter, and vLLM's
 patched scheduler choosing the tree or the chain per batch size (arms.py).
@@ -236,9 +237,11 @@ def main() -> None:
     req_states = SimpleNamespace(prefill_len=SimpleNamespace(gpu=prefill_len),
                                  draft_tokens=draft_tokens)
     spec.draft_attn_layer_names = {"model.layers.2.self_attn.attn"}
+    dc = importlib.import_module(f"{pkg}.settings").DDTreeConfig(budget=B, depth=L)
     runner = SimpleNamespace(
         device=torch.device("cpu"), max_num_reqs=R, req_states=req_states,
-        speculative_config=SimpleNamespace(ddtree_budget=B), speculator=spec,
+        speculative_config=SimpleNamespace(ddtree_budget=B, ddtree_config=dc),
+        speculator=spec,
         model_state=SimpleNamespace(),
         sampler=SimpleNamespace(sampling_states=st, compute_nans=False,
                                 req_states=req_states),
@@ -477,6 +480,13 @@ def _check_runner_refusals(v2r, spec) -> None:
         raise AssertionError("adaptive verification was not refused on V2")
     except NotImplementedError as e:
         assert "adaptive verification" in str(e), e
+    sc.enable_adaptive_verification = False
+    cfg.parallel_config.pipeline_parallel_size = 2  # (config.py refuses it first)
+    try:
+        v2r.check_runner(runner)
+        raise AssertionError("pipeline parallelism was not refused on V2")
+    except NotImplementedError as e:
+        assert "pipeline parallelism" in str(e), e
 
 
 def speculator_main(target: str, drafter: str, mixed: str) -> None:
@@ -488,12 +498,12 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
 
-    def config(draft, chain=None, **env):
+    def config(draft, chain=None, keys=None, **env):
         for k in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_DDTREE_V2"):
             os.environ.pop(k, None)
         os.environ.update(env)
         sc = {"method": "ddtree", "model": draft, "num_speculative_tokens": 8,
-              "ddtree_depth": 3}
+              "ddtree_depth": 3, **(keys or {})}
         if chain is not None:
             sc["ddtree_chain_budget"] = chain
         args = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32",
@@ -511,34 +521,37 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
 
     # ddtree_chain_budget: V2 only, 1..min(L, B)
     refused("V2 model runner", drafter, chain=2)
-    refused("or a draft count in 1..3", drafter, chain=4, VLLM_DDTREE_V2="1")
+    refused("or a draft count in 1..3", drafter, chain=4, VLLM_USE_V2_MODEL_RUNNER="1")
     refused("or a draft count in 1..3", drafter, chain=-1, VLLM_DDTREE_V2="1")
-    assert config(drafter, chain=3, VLLM_DDTREE_V2="1").speculative_config \
+    assert config(drafter, chain=3, VLLM_USE_V2_MODEL_RUNNER="1").speculative_config \
         .ddtree_chain_budget == 3
     # DDTree's V2 default: a tree of B at 1 request, of B // 2 at 2, chains of min(L, B - 1)
     # from 3 on, a schedule vLLM's own lookup reads; 0 keeps B for every batch size
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-    sc = config(drafter, VLLM_DDTREE_V2="1").speculative_config
+    sc = config(drafter, VLLM_USE_V2_MODEL_RUNNER="1").speculative_config
     assert sc.ddtree_chain_budget == 3 and sc.uses_dynamic_speculative_decoding()
+    assert sc.ddtree_config.chain_budget == 3 and sc.ddtree_config.budget_control == "auto"
     assert build_dynamic_sd_schedule_lookup(sc.num_speculative_tokens_per_batch_size, 4,
                                             8) == [0, 8, 4, 3, 3]
-    sc = config(drafter, chain=0, VLLM_DDTREE_V2="1").speculative_config
+    sc = config(drafter, chain=0, VLLM_USE_V2_MODEL_RUNNER="1").speculative_config
     assert sc.num_speculative_tokens_per_batch_size is None
     assert config(drafter).speculative_config.num_speculative_tokens_per_batch_size is None
 
     for draft in (drafter, mixed):
         assert config(draft).use_v2_model_runner is False  # DDTree keeps V1 by default
-        assert config(draft, VLLM_DDTREE_V2="1").use_v2_model_runner is True
-    try:
-        config(drafter, VLLM_USE_V2_MODEL_RUNNER="1")
-        raise AssertionError("V2 forced without VLLM_DDTREE_V2 was accepted")
-    except ValueError as e:
-        assert "VLLM_DDTREE_V2=1" in str(e), e
+        assert config(draft, VLLM_USE_V2_MODEL_RUNNER="1").use_v2_model_runner is True
+        assert config(draft, VLLM_DDTREE_V2="1").use_v2_model_runner is True  # deprecated
+    # VLLM_USE_V2_MODEL_RUNNER picks the runner (the V2 path refuses a CPU device when
+    # the runner starts); the deprecated VLLM_DDTREE_V2 may not contradict it
+    assert config(drafter, VLLM_USE_V2_MODEL_RUNNER="0").use_v2_model_runner is False
+    refused("contradicts VLLM_USE_V2_MODEL_RUNNER=1", drafter, VLLM_USE_V2_MODEL_RUNNER="1",
+            VLLM_DDTREE_V2="0")
+    _check_keys(config, refused, drafter)
 
     _check_scheduler_arms(lambda **env: config(drafter, **env))
 
-    cfg = config(mixed, VLLM_USE_V2_MODEL_RUNNER="1", VLLM_DDTREE_V2="1")
+    cfg = config(mixed, VLLM_USE_V2_MODEL_RUNNER="1")
     assert cfg.use_v2_model_runner and cfg.speculative_config.num_speculative_tokens == 8
     torch.accelerator.empty_cache = lambda: None  # model loading on a CPU-only torch
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -569,25 +582,34 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
     print(OK)
 
 
+def _check_keys(config, refused, drafter) -> None:
+    """DDTree's keys through vLLM's own SpeculativeConfig and VllmConfig: parsed into
+    the engine's DDTreeConfig (which survives the pickling that takes the config to the
+    engine core and its workers), refused where they do not apply."""
+    import pickle
+
+    keys = {"ddtree_split_attn": "on", "ddtree_build_graphs": False,
+            "ddtree_chain_graphs": False, "ddtree_arms": [1, 2]}
+    sc = config(drafter, keys=keys, VLLM_USE_V2_MODEL_RUNNER="1").speculative_config
+    dc = sc.ddtree_config
+    assert (dc.v2, dc.split_attn, dc.build_graphs, dc.chain_graphs, dc.arms) == \
+        (True, "on", False, False, (1, 2))
+    assert pickle.loads(pickle.dumps(sc)).ddtree_config == dc
+    assert config(drafter, keys={"ddtree_split_attn": "off"}).speculative_config \
+        .ddtree_config.split_attn == "off"  # V1 (CUDA backends) too
+    refused("applies to vLLM's V2", drafter, keys={"ddtree_build_graphs": False})  # V1
+    refused("ddtree_arms pins", drafter, keys={"ddtree_arms": [1, 2]})
+    refused("must be one of auto, on, off", drafter, keys={"ddtree_split_attn": "yes"})
+    refused("ddtree_cost_table is the", drafter, keys={"ddtree_cost_table": "/t.json"})
+    refused("set by DDTree itself", drafter, keys={"ddtree_config": "x"})
+
+
 def _check_build_graphs(spec) -> None:
-    """The tree build's own graphs (on unless VLLM_DDTREE_BUILD_GRAPHS=0) on the real
-    speculator: they would read the kept top-K buffers themselves; off CUDA nothing is
-    captured (the build stays eager)."""
-    import os
-
-    from vllm.v1.spec_decode.ddtree.v2.speculator import BUILD_GRAPHS_ENV, build_graphs_on
-
-    was = os.environ.pop(BUILD_GRAPHS_ENV, None)
-    try:
-        assert build_graphs_on()  # the default
-        os.environ[BUILD_GRAPHS_ENV] = " 0 "
-        assert not build_graphs_on()
-        os.environ[BUILD_GRAPHS_ENV] = "1"
-        assert build_graphs_on()
-    finally:
-        os.environ.pop(BUILD_GRAPHS_ENV, None)
-        if was is not None:
-            os.environ[BUILD_GRAPHS_ENV] = was
+    """The tree build's own graphs (on unless ddtree_build_graphs=False; the key and its
+    deprecated variable: tests/gpu/test_settings.py) on the real speculator: they would
+    read the kept top-K buffers themselves; off CUDA nothing is captured (the build
+    stays eager)."""
+    assert spec.ddtree_config.build_graphs  # the default
     vals, idx, lse = spec._kept_views(2)
     assert vals.shape == (2, 3, 8) and idx.shape == (2, 3, 8) and lse.shape == (2, 3)
     assert (vals.data_ptr(), idx.data_ptr(), lse.data_ptr()) == \
@@ -617,8 +639,12 @@ def _check_target_chain_graphs(cfg) -> None:
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
+    import dataclasses
+
     cc, sc, sched = cfg.compilation_config, cfg.speculative_config, cfg.scheduler_config
     assert sc.ddtree_budget_control == "auto" and sc.ddtree_chain_budget == 3
+    dc = sc.ddtree_config
+    assert dc.budget_control == "auto" and dc.chain_budget == 3
     was = (cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size, sched.max_num_seqs)
     cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [4, 8, 9, 18], 18
     sched.max_num_seqs = 2
@@ -646,11 +672,11 @@ def _check_target_chain_graphs(cfg) -> None:
         assert target_query_lens(draft, [9], 1) == [9]
         assert target_query_lens(mgr, [9], 1) == [4, 9]
         assert target_query_lens(mgr, [4, 9], 1) == [4, 9]
-        sc.ddtree_budget_control = "off"
+        sc.ddtree_config = dataclasses.replace(dc, budget_control="off")
         assert manager()[1] == [5, 9]
         assert target_query_lens(mgr, [9], 1) == [9]
     finally:
-        sc.ddtree_budget_control = "auto"
+        sc.ddtree_config = dc
         cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size, sched.max_num_seqs = was
 
 
@@ -700,16 +726,7 @@ def _check_chain_arm_graphs(spec) -> None:
     spec.query_cudagraph_manager = DFlashCudaGraphManager(
         spec.vllm_config, spec.device, CUDAGraphMode.NONE, decode_query_len=q)
     assert vcg.make(spec, [1, 2]) is None  # no graphs, no chain-arm graphs
-    was = os.environ.pop(vcg.ENV, None)
-    assert vcg.enabled()  # on by default
-    os.environ[vcg.ENV] = "0"
-    assert not vcg.enabled()
-    os.environ[vcg.ENV] = "1"
-    assert vcg.enabled()
-    if was is None:
-        del os.environ[vcg.ENV]
-    else:
-        os.environ[vcg.ENV] = was
+    assert spec.ddtree_config.chain_graphs  # on by default (test_settings.py: off)
     spec.query_cudagraph_manager = None
 
 
@@ -744,13 +761,15 @@ def _check_scheduler_arms(config) -> None:
         return cls(cfg, kv, StructuredOutputManager(cfg), block_size=16)
 
     assert scheduler(config()).dynamic_sd_lookup is None
-    v2_cfg = config(VLLM_DDTREE_V2="1")  # (the runner choice reads the env when asked)
+    v2_cfg = config(VLLM_USE_V2_MODEL_RUNNER="1")
     for cost, emitted, winner, asynchronous in (({8: 2.0, 3: 1.0}, {8: 2, 3: 2}, 3, True),
                                                 ({8: 1.2, 3: 1.0}, {8: 3, 3: 2}, 8, True),
                                                 ({8: 1.2, 3: 1.0}, {8: 3, 3: 2}, 8, False)):
         s = scheduler(v2_cfg, asynchronous)
         lookup = s.dynamic_sd_lookup
         assert isinstance(lookup, ArmLookup), type(lookup)
+        # the worker half of this engine publishes to the same channel
+        assert lookup.channel is v2_cfg.speculative_config.ddtree_config.channel
         assert lookup.arms == {1: (8, 3), 2: (4, 3)} and lookup[3] == 3
         clock = [0.0]
         lookup.clock = lambda: clock[0]

@@ -31,3 +31,12 @@ def device() -> str:
     if INTERPRET:
         return "cpu"
     pytest.skip("needs CUDA (TRITON_INTERPRET=0 was set: no CPU interpreter run)")
+
+
+def spec_config(budget: int, depth: int, **settings):
+    """A stand-in SpeculativeConfig of a DDTree engine: the keys the runtimes read and
+    the engine's DDTreeConfig (settings.py; ``settings``: its other fields)."""
+    from types import SimpleNamespace
+
+    cfg = payload_module("settings").DDTreeConfig(budget=budget, depth=depth, **settings)
+    return SimpleNamespace(ddtree_budget=budget, ddtree_depth=depth, ddtree_config=cfg)

@@ -1,7 +1,8 @@
-"""The tree-vs-chain controller of the V2 runner (payload/arms.py), against a simulated
-engine: each step verifies the drafts the lookup chose one step earlier (as vLLM's
-scheduler does), takes the arm's time and emits the arm's tokens.  Deterministic
-(a fake clock, seeded token counts); no vLLM needed."""
+"""The tree-vs-chain controller of the V2 runner (payload/sched/: arms.py, the
+scheduler's half; paired.py, the worker's; channel.py between them), against a
+simulated engine: each step verifies the drafts the lookup chose one step earlier (as
+vLLM's scheduler does), takes the arm's time and emits the arm's tokens.
+Deterministic (a fake clock, seeded token counts); no vLLM needed."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ import pytest
 from .conftest import HAS_CUDA, payload_module
 
 arms = payload_module("sched.arms")
+channel = payload_module("sched.channel")
+settings = payload_module("settings")
 
 TREE, CHAIN = 64, 15
 
 
-@pytest.fixture(autouse=True)
-def _no_worker_half(monkeypatch):
-    """Each test starts as a scheduler without the worker half in its process (an
-    ArmExpect made by the test sets arms.PAIRED; monkeypatch restores it)."""
-    monkeypatch.setattr(arms, "PAIRED", False)
+@pytest.fixture
+def ch():
+    """The channel both halves of one engine hold (DDTreeConfig.channel); a lookup
+    made without one holds its own (a scheduler without the worker half)."""
+    return channel.ArmChannel()
 
 
 def out(reqs: dict[str, int], drafts: dict[str, int], sampled: list[int]):
@@ -58,8 +61,7 @@ def simulate(lookup, cost: dict, tau: dict, steps: int = 600, n: int = 1, seed: 
     ({TREE: 7.9, CHAIN: 6.8}, {TREE: 6.0, CHAIN: 5.6}, CHAIN),   # the tree does not pay
     ({TREE: 11.4, CHAIN: 7.2}, {TREE: 6.0, CHAIN: 4.5}, CHAIN),  # 1.58x cost, 1.33x tau
 ])
-def test_the_faster_arm_gets_the_steps(cost, tau, winner, monkeypatch):
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+def test_the_faster_arm_gets_the_steps(cost, tau, winner):
     lookup = arms.ArmLookup([0, TREE, TREE, CHAIN], CHAIN)
     seen = simulate(lookup, cost, tau)
     tail = seen[100:]
@@ -73,9 +75,8 @@ def test_the_faster_arm_gets_the_steps(cost, tau, winner, monkeypatch):
     assert got >= 0.95 * rate(winner)
 
 
-def test_a_change_of_acceptance_is_followed(monkeypatch):
+def test_a_change_of_acceptance_is_followed():
     """The chain wins for a random drafter; when the drafter turns good, the tree wins."""
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
     lookup = arms.ArmLookup([0, TREE, CHAIN], CHAIN)
     cost = {TREE: 7.9, CHAIN: 6.8}
     first = simulate(lookup, cost, {TREE: 0.5, CHAIN: 0.5}, steps=400)
@@ -84,8 +85,7 @@ def test_a_change_of_acceptance_is_followed(monkeypatch):
     assert second[-200:].count(TREE) >= 180
 
 
-def test_only_tree_batch_sizes_have_arms_and_the_list_stays_a_list(monkeypatch):
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+def test_only_tree_batch_sizes_have_arms_and_the_list_stays_a_list():
     base = [0, 32, 32, 16, 7, 7]
     lookup = arms.ArmLookup(base, 7)
     assert lookup.arms == {1: (32, 7), 2: (32, 7), 3: (16, 7)}
@@ -96,8 +96,7 @@ def test_only_tree_batch_sizes_have_arms_and_the_list_stays_a_list(monkeypatch):
     assert arms.ArmLookup([0, 8, 8], 0).arms == {}  # no chain to play against
 
 
-def test_steps_that_are_not_pure_decode_are_not_measured(monkeypatch):
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+def test_steps_that_are_not_pure_decode_are_not_measured():
     lookup = arms.ArmLookup([0, TREE, TREE], CHAIN)
     t = [0.0]
     lookup.clock = lambda: t[0]
@@ -125,28 +124,41 @@ def test_steps_that_are_not_pure_decode_are_not_measured(monkeypatch):
 
 
 def test_window_and_exploration_knobs(monkeypatch):
-    monkeypatch.setenv("VLLM_DDTREE_ARMS", "1,2")
-    lookup = arms.ArmLookup([0, TREE], CHAIN)
+    lookup = arms.ArmLookup([0, TREE], CHAIN, pinned=(1, 2))
     assert (lookup.window, lookup.explore) == (1, 2)
     seen = simulate(lookup, {TREE: 1.0, CHAIN: 1.0}, {TREE: 3.0, CHAIN: 2.9}, steps=60)
     assert 10 <= seen[20:].count(CHAIN) <= 30  # every other choice explores
+    # ddtree_arms (or its deprecated variable), parsed at engine configuration
+    parse = settings.parse_arms
+    assert parse([1, 2], "ddtree_arms") == parse("1,2", "VLLM_DDTREE_ARMS") == (1, 2)
     for bad in ("1", "0,4", "2,1", "a,b", "1,2,3"):
-        monkeypatch.setenv("VLLM_DDTREE_ARMS", bad)
         with pytest.raises(ValueError, match="VLLM_DDTREE_ARMS"):
-            arms.ArmLookup([0, TREE], CHAIN)
+            parse(bad, "VLLM_DDTREE_ARMS")
+    for bad in ([1], [0, 4], [2, 1], [1.5, 2], [True, 2], [1, 2, 3], 7):
+        with pytest.raises(ValueError, match="ddtree_arms"):
+            parse(bad, "ddtree_arms")
+    monkeypatch.setenv("VLLM_DDTREE_ARMS", "1,2")  # the scheduler reads no variable
+    assert arms.ArmLookup([0, TREE], CHAIN).pinned is None
 
 
-def test_wrap_lookup_only_for_the_v2_controller(monkeypatch):
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+def test_wrap_lookup_only_for_the_v2_controller():
 
-    def sched(v2=True, control="auto", budget=32, chain=7):
-        spec = SimpleNamespace(ddtree_budget=budget, ddtree_budget_control=control,
-                               ddtree_chain_budget=chain)
-        return SimpleNamespace(vllm_config=SimpleNamespace(use_v2_model_runner=v2,
-                                                           speculative_config=spec))
+    def sched(v2=True, control="auto", budget=32, chain=7, pinned=None):
+        cfg = None if budget is None else settings.DDTreeConfig(
+            budget=budget, depth=7, v2=v2, budget_control=control or "off",
+            chain_budget=chain or 0, arms=pinned)
+        spec = SimpleNamespace(ddtree_budget=budget, ddtree_config=cfg)
+        return SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=spec))
 
     base = [0, 32, 32, 7]
-    assert isinstance(arms.wrap_lookup(sched(), base), arms.ArmLookup)
+    s = sched(pinned=(1, 2))
+    lookup = arms.wrap_lookup(s, base)
+    assert isinstance(lookup, arms.ArmLookup)
+    # the engine's channel (the worker half publishes to it) and its pinned window
+    cfg = s.vllm_config.speculative_config.ddtree_config
+    assert lookup.channel is cfg.channel and lookup.pinned == (1, 2) and lookup.window == 1
+    renewed = lookup.renew()
+    assert renewed is not lookup and renewed.channel is cfg.channel and list(renewed) == base
     for s in (sched(v2=False), sched(control="off"), sched(control=None),
               sched(budget=None), sched(chain=0), sched(chain=None)):
         assert arms.wrap_lookup(s, base) is base
@@ -171,7 +183,7 @@ def _walk_out(paths: list[list[int]], width: int):
 
 
 @pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if HAS_CUDA else []))
-def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev):
+def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev, ch):
     """The chain's accepted length = the common prefix of the drafted top-1 chain and
     the tree step's output (path + bonus); past the bonus it is not known (counted up
     to it).  Both sums are published (on CUDA through pinned memory, one period late,
@@ -182,11 +194,10 @@ def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev):
 
     v2_arms = payload_module("sched.paired")
     monkeypatch.setattr(v2_arms, "PUBLISH", 1000)
-    arms.EXPECTED.clear()
     depth, chain = 6, 4
 
     def fresh():
-        return v2_arms.ArmExpect([2, 3], chain, depth, max_reqs=4, device=dev)
+        return v2_arms.ArmExpect([2, 3], chain, depth, max_reqs=4, device=dev, channel=ch)
 
     ex = fresh()
     # the kept top-K ids [n, L, K] of a draft of slots 3, 1, 0: column 0 = the top-1
@@ -223,9 +234,9 @@ def test_both_arms_measured_on_the_same_tree_step(monkeypatch, dev):
     if dev == "cuda":
         torch.cuda.synchronize()
     ex.verified(2, slots[:2], out[:2], acc[:2], valid)
-    assert arms.EXPECTED[3] == pytest.approx((1 + 10 / 3, 1 + 8 / 3))
+    assert ch.expected[3] == pytest.approx((1 + 10 / 3, 1 + 8 / 3))
     mt, mc = 10 / 3, 8 / 3  # the paired spread: population (co)variances of the rows
-    assert arms.SPREAD[3] == pytest.approx((36 / 3 - mt * mt, 24 / 3 - mc * mc,
+    assert ch.spread[3] == pytest.approx((36 / 3 - mt * mt, 24 / 3 - mc * mc,
                                             28 / 3 - mt * mc, 3))
 
     # the bonus is the chain's next token but the tree had no such node: known up to
@@ -259,26 +270,24 @@ def test_a_chain_that_is_not_in_the_tree_is_still_read_off_the_output():
     assert ex.sums[1].tolist()[:4] == [3, 2, 3, 2]
 
 
-def test_the_expected_tokens_decide_when_published(monkeypatch):
+def test_the_expected_tokens_decide_when_published(ch):
     """Measured tokens say the tree (a lucky draw), the paired measurement of both arms
     on tree steps says the chain: with EXPECTED published the lookup follows it."""
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
-    lookup = arms.ArmLookup([0, TREE], CHAIN)
+    lookup = arms.ArmLookup([0, TREE], CHAIN, ch)
     for k, tokens, dt in ((TREE, 9, 8.0), (CHAIN, 3, 7.0)):
         for _ in range(arms.MIN_STEPS):
             lookup.stats[(1, k)].add(tokens, dt)
     assert lookup.rates(1)[TREE] > lookup.rates(1)[CHAIN]
-    arms.EXPECTED[1] = (4.0, 3.9)  # per request-step: 4.0 / 8 ms < 3.9 / 7 ms
+    ch.expected[1] = (4.0, 3.9)  # per request-step: 4.0 / 8 ms < 3.9 / 7 ms
     rate = lookup.rates(1)
     assert rate[CHAIN] > rate[TREE] and rate[TREE] == pytest.approx(4.0 / 8.0)
     assert lookup[1] == CHAIN
     assert lookup.summary()[1]["chain 15"]["expected"] == 3.9
-    arms.ArmLookup([0, TREE], CHAIN)  # a new engine forgets the old expectations
-    assert arms.EXPECTED == {}
+    arms.ArmLookup([0, TREE], CHAIN, ch)  # a fresh start forgets the old expectations
+    assert ch.expected == {}
 
 
-def test_a_switch_and_a_slow_step_do_not_set_the_step_time(monkeypatch):
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+def test_a_switch_and_a_slow_step_do_not_set_the_step_time():
     lookup = arms.ArmLookup([0, TREE], CHAIN)
     t = [0.0]
     lookup.clock = lambda: t[0]
@@ -297,8 +306,7 @@ def test_a_switch_and_a_slow_step_do_not_set_the_step_time(monkeypatch):
     assert chain.steps == 1 and chain.step_s == 7
 
 
-def test_an_unreadable_output_turns_the_choice_off_not_the_scheduler(monkeypatch):
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
+def test_an_unreadable_output_turns_the_choice_off_not_the_scheduler():
     lookup = arms.ArmLookup([0, TREE, TREE, CHAIN], CHAIN)
     assert lookup[1] == TREE
     so, _ = out({"a": 1 + CHAIN}, {"a": CHAIN}, [1])
@@ -450,7 +458,7 @@ STEP_MS = {"tree": 8.4, "chain": 7.2}
 @pytest.mark.parametrize("probs,label", [
     ([0.6, 0.15, 0.08, 0.05], "p60"), ([0.8, 0.1, 0.04], "p80"),
     ([0.9, 0.05, 0.02], "p90"), ([0.3, 0.1], "weak")])
-def test_both_halves_pick_the_arm_that_is_faster_on_this_text(probs, label, monkeypatch):
+def test_both_halves_pick_the_arm_that_is_faster_on_this_text(probs, label, ch):
     """The scheduler's ArmLookup and the worker's ArmExpect together, on steps of the
     real tree build and walk (a calibrated synthetic drafter, _tree_step) with run 9's
     step times: a tree step publishes both arms' counts, a chain step emits the
@@ -459,7 +467,6 @@ def test_both_halves_pick_the_arm_that_is_faster_on_this_text(probs, label, monk
     the choice gets within 5 % of it and never below 99 % of the chain."""
     import torch
 
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
     v2_arms = payload_module("sched.paired")
     L, V, B, C = 8, 200, 24, 8
     vals, idx, lse, walk, hits = _tree_step(3, 3000, L, V, B, probs)
@@ -467,8 +474,8 @@ def test_both_halves_pick_the_arm_that_is_faster_on_this_text(probs, label, monk
     rate = {"tree": (1 + float(tree_acc.float().mean())) / STEP_MS["tree"],
             "chain": (1 + float(chain_acc.float().mean())) / STEP_MS["chain"]}
     k_of = {"tree": B, "chain": C}
-    lookup = arms.ArmLookup([0, B], C)
-    ex = v2_arms.ArmExpect([1], C, L, max_reqs=1, device="cpu")
+    ex = v2_arms.ArmExpect([1], C, L, max_reqs=1, device="cpu", channel=ch)
+    lookup = arms.ArmLookup([0, B], C, ch)
     clock = [0.0]
     lookup.clock = lambda: clock[0] / 1000
     one, valid = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool)
@@ -496,7 +503,7 @@ def test_both_halves_pick_the_arm_that_is_faster_on_this_text(probs, label, monk
     assert got >= 0.99 * rate["chain"], why
 
 
-def test_a_tree_step_prices_every_smaller_tree_exactly(monkeypatch):
+def test_a_tree_step_prices_every_smaller_tree_exactly(monkeypatch, ch):
     """The best tree of b nodes is the first b nodes in pop order: the count read off
     the B-node step (where its path leaves the subtree) equals the real walk over the
     tree cut to b nodes, row by row; and it is published with the arms."""
@@ -508,13 +515,11 @@ def test_a_tree_step_prices_every_smaller_tree_exactly(monkeypatch):
 
     v2_arms = payload_module("sched.paired")
     monkeypatch.setattr(v2_arms, "PUBLISH", 1)
-    arms.EXPECTED.clear()
-    arms.SUBTREES.clear()
     n, L, V, B, C = 300, 6, 60, 16, 3
     vals, idx, lse, walk, _ = _tree_step(5, n, L, V, B, [0.5, 0.2, 0.1, 0.05])
     tree, target = _tree_step.last
     subs = (8, 4, 2)  # 2 <= C: not a subtree arm (dropped)
-    ex = v2_arms.ArmExpect([n], C, L, max_reqs=n, device="cpu", subtrees=subs)
+    ex = v2_arms.ArmExpect([n], C, L, max_reqs=n, device="cpu", subtrees=subs, channel=ch)
     assert ex.subtrees == [4, 8]
     slots = torch.arange(n)
     ex.draft(vals, idx, lse, slots)
@@ -527,30 +532,29 @@ def test_a_tree_step_prices_every_smaller_tree_exactly(monkeypatch):
         assert (want <= walk.num_accepted).all() and (want < walk.num_accepted).any()
     ex.verified(n, slots, walk.output_tokens, walk.num_accepted, torch.ones(n, dtype=bool),
                 walk.accepted_rows)  # publishes the first copy
-    got = arms.SUBTREES[n]
-    assert set(got) == {4, 8} and got[4] <= got[8] <= arms.EXPECTED[n][0]
-    lookup = arms.ArmLookup([0] + [B] * n, C)  # a new engine forgets them
-    assert arms.SUBTREES == {}
-    arms.SUBTREES[n] = {4: 1.5}
+    got = ch.subtrees[n]
+    assert set(got) == {4, 8} and got[4] <= got[8] <= ch.expected[n][0]
+    lookup = arms.ArmLookup([0] + [B] * n, C, ch)  # a fresh start forgets them
+    assert ch.subtrees == {}
+    ch.subtrees[n] = {4: 1.5}
     assert lookup.summary()[n]["subtrees"] == {4: 1.5}
 
 
-def test_a_close_call_goes_to_the_chain(monkeypatch):
+def test_a_close_call_goes_to_the_chain(ch):
     """With both counts published, the tree leads only where its edge over the chain
     clears Z standard errors of the paired counts (run 10, p80 at two requests: an
     edge of 7 % within its noise, played, ran 0.89-0.91x the chain); a tree that may
     lead (0 < edge <= Z) is looked at again soon; no spread: the sign decides."""
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
-    lookup = arms.ArmLookup([0, TREE, TREE], CHAIN)
+    lookup = arms.ArmLookup([0, TREE, TREE], CHAIN, ch)
     for n in (1, 2):
         for k, dt in ((TREE, 0.010), (CHAIN, 0.007)):
             for _ in range(arms.WELL):
                 lookup.stats[(n, k)].add(5, dt)
     # per request-step: tree 6.3 / 10 ms vs chain 4.2 / 7 ms = 0.63 vs 0.60 tokens/ms
-    arms.EXPECTED[1] = arms.EXPECTED[2] = (6.3, 4.2)
+    ch.expected[1] = ch.expected[2] = (6.3, 4.2)
     var = (9.0, 8.0, 7.5)  # sd 3 and 2.8, correlation 0.88: sd of the edge 0.014/ms
-    arms.SPREAD[1] = var + (20.0,)  # 20 rows: se 0.0031/ms, edge 0.03 / se < 1
-    arms.SPREAD[2] = var + (400.0,)  # 400 rows: se 0.0007/ms, a clear lead
+    ch.spread[1] = var + (20.0,)  # 20 rows: se 0.0031/ms, edge 0.03 / se < 1
+    ch.spread[2] = var + (400.0,)  # 400 rows: se 0.0007/ms, a clear lead
     e1, e2 = lookup.edge(1), lookup.edge(2)
     assert 0 < e1 <= arms.Z < 2 * arms.Z < e2
     assert e2 == pytest.approx(e1 * (400 / 20) ** 0.5)
@@ -559,33 +563,34 @@ def test_a_close_call_goes_to_the_chain(monkeypatch):
     # the chain leads at 1, and the tree is tried every EXPLORE // 4 choices
     assert picks[1][0] == CHAIN and picks[1].count(CHAIN) == 3 * picks[1].count(TREE)
     assert lookup.summary()[1]["edge"] == pytest.approx(e1, abs=0.01)
-    arms.SPREAD[1] = (0.0, 0.0, 0.0, 50.0)  # a random drafter: 1 token a step each
-    arms.EXPECTED[1] = (1.0, 1.0)
+    ch.spread[1] = (0.0, 0.0, 0.0, 50.0)  # a random drafter: 1 token a step each
+    ch.expected[1] = (1.0, 1.0)
     assert lookup.edge(1) == -math.inf and lookup.summary()[1]["edge"] == -99.0
-    arms.ArmLookup([0, TREE], CHAIN)  # a new engine forgets the spread too
-    assert arms.SPREAD == {}
+    arms.ArmLookup([0, TREE], CHAIN, ch)  # a fresh start forgets the spread too
+    assert ch.spread == {}
 
 
-def test_paired_counts_shorten_the_calibration(monkeypatch):
+def test_paired_counts_shorten_the_calibration():
     """With the worker half in this process (an ArmExpect exists), each arm needs
     MIN_PAIRED measured steps before the choice, not MIN_STEPS (the tree's steps give
     the chain's tokens too); the first copy of the sums goes out from the first tree
     step, without fading it."""
     import torch
 
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
     v2_arms = payload_module("sched.paired")
 
-    def calibration(paired: bool) -> list[int]:
+    def calibration(paired: bool):
+        ch = channel.ArmChannel()
         if paired:
-            v2_arms.ArmExpect([1], CHAIN, CHAIN, max_reqs=1, device="cpu")
-        lookup = arms.ArmLookup([0, TREE], CHAIN)
-        return simulate(lookup, {TREE: 8.0, CHAIN: 7.0}, {TREE: 3.0, CHAIN: 2.0}, steps=24)
+            v2_arms.ArmExpect([1], CHAIN, CHAIN, max_reqs=1, device="cpu", channel=ch)
+        lookup = arms.ArmLookup([0, TREE], CHAIN, ch)
+        return ch, simulate(lookup, {TREE: 8.0, CHAIN: 7.0}, {TREE: 3.0, CHAIN: 2.0},
+                            steps=24)
 
-    alone = calibration(False)
-    assert not arms.PAIRED and alone[:2 * arms.WINDOW] == [TREE] * 2 * arms.WINDOW
-    paired = calibration(True)
-    assert arms.PAIRED and arms.MIN_PAIRED < arms.MIN_STEPS
+    ch, alone = calibration(False)
+    assert not ch.paired and alone[:2 * arms.WINDOW] == [TREE] * 2 * arms.WINDOW
+    ch, paired = calibration(True)
+    assert ch.paired and arms.MIN_PAIRED < arms.MIN_STEPS
     assert paired[:arms.WINDOW] == [TREE] * arms.WINDOW
     assert paired[arms.WINDOW:2 * arms.WINDOW] == [CHAIN] * arms.WINDOW
     ex = v2_arms.ArmExpect([1], 2, 3, max_reqs=1, device="cpu")
@@ -597,12 +602,11 @@ def test_paired_counts_shorten_the_calibration(monkeypatch):
 
 
 @pytest.mark.parametrize("extra,first", [(0.0, 0.0), (0.3, 0.3), (6.0, 6.0), (0.0, 50.0)])
-def test_a_switch_is_priced_and_held_longer_when_it_costs(extra, first, monkeypatch):
+def test_a_switch_is_priced_and_held_longer_when_it_costs(extra, first):
     """The first step after a switch is not an arm step (its interval may hold the other
     arm's tail); its excess over the new arm's median step is reported as switch_ms,
     and a choice holds long enough that a switch costs at most SWITCH_SHARE of it.  The
     median of the recent switches: one slow switch (``first``) changes nothing."""
-    monkeypatch.delenv("VLLM_DDTREE_ARMS", raising=False)
     lookup = arms.ArmLookup([0, TREE], CHAIN)
     clock = [0.0]
     lookup.clock = lambda: clock[0]
@@ -627,7 +631,6 @@ def test_a_switch_is_priced_and_held_longer_when_it_costs(extra, first, monkeypa
     assert lookup._window(1) == want and want == (9 if extra > 1 else arms.WINDOW)
     runs = [len(list(g)) for _, g in itertools.groupby(seen[200:])][1:-1]
     assert runs and all(r >= want for r in runs), runs  # whole choices between switches
-    monkeypatch.setenv("VLLM_DDTREE_ARMS", "1,2")  # a pinned window stays as given
-    pinned = arms.ArmLookup([0, TREE], CHAIN)
+    pinned = arms.ArmLookup([0, TREE], CHAIN, pinned=(1, 2))  # stays as given
     pinned.stats, pinned.switches = lookup.stats, lookup.switches
     assert pinned._window(1) == 1

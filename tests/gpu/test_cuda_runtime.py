@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import HAS_CUDA, INTERPRET, payload_module
+from .conftest import HAS_CUDA, INTERPRET, payload_module, spec_config
 
 
 def _runtime_module(monkeypatch):
@@ -56,7 +56,7 @@ def _kv_cache(layout: str, dev, bs: int):
 @pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if HAS_CUDA else []))
 def test_one_verify_step(dev, fused, layout, monkeypatch):
     """fused: the Triton bookkeeping of core/step.py (CUDA, or the CPU interpreter);
-    otherwise its torch reference in cuda_runtime.py.  Same assertions for both, for
+    otherwise its torch reference there.  Same assertions for both, for
     the KV layouts of 0.20.x and of 0.32/0.33."""
     if fused and dev == "cpu" and not INTERPRET:
         pytest.skip("the fused kernels on the CPU need TRITON_INTERPRET=1")
@@ -83,7 +83,7 @@ def test_one_verify_step(dev, fused, layout, monkeypatch):
     impl = "FlashAttentionImpl" if layout == "kv_outer" else "TritonAttentionImpl"
     runner = SimpleNamespace(
         device=torch.device(dev), max_num_reqs=4, sampler=None,
-        speculative_config=SimpleNamespace(ddtree_budget=B, ddtree_depth=L),
+        speculative_config=spec_config(B, L),
         positions=positions,
         input_ids=SimpleNamespace(gpu=torch.arange(100, 132, device=dev)),
         query_start_loc=SimpleNamespace(np=qsl),
@@ -196,7 +196,7 @@ def test_unhooked_backend_is_refused_before_any_verify(monkeypatch):
     kv, _ = _kv_cache("heads_packed", "cpu", 4)
     runner = SimpleNamespace(
         device=torch.device("cpu"), max_num_reqs=2, sampler=None,
-        speculative_config=SimpleNamespace(ddtree_budget=4, ddtree_depth=2),
+        speculative_config=spec_config(4, 2),
         positions=torch.zeros(8, dtype=torch.int64),
         input_ids=SimpleNamespace(gpu=torch.zeros(8, dtype=torch.int64)),
         query_start_loc=SimpleNamespace(np=np.array([0, 3, 3], dtype=np.int32)),

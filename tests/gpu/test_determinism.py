@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import HAS_CUDA, payload_module
+from .conftest import HAS_CUDA, payload_module, spec_config
 from .test_cuda_runtime import _impl, _kv_cache, _runtime_module
 
 B, L, V, BS = 6, 3, 16, 8
@@ -69,7 +69,7 @@ class Rank:
         runner = SimpleNamespace(
             device=torch.device(dev), max_num_reqs=4, sampler=None,
             model_config=SimpleNamespace(seed=engine_seed),
-            speculative_config=SimpleNamespace(ddtree_budget=B, ddtree_depth=L),
+            speculative_config=spec_config(B, L),
             positions=self.positions,
             input_ids=SimpleNamespace(gpu=torch.arange(100, 132, device=dev)),
             query_start_loc=SimpleNamespace(np=qsl, cpu=torch.from_numpy(qsl)),

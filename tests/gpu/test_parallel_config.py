@@ -81,20 +81,41 @@ def test_budget_control_knobs(mode, budgets, error):
 
 def test_budget_control_under_tp_needs_one_cost_table(monkeypatch):
     """Each rank would otherwise take the table of its own GPU's name: under TP the
-    controller runs only with one table for every rank (VLLM_DDTREE_COST_TABLE)."""
+    controller runs only with one table for every rank (ddtree_cost_table, which travels
+    in the engine's config; the deprecated VLLM_DDTREE_COST_TABLE still fills it)."""
     envs = types.ModuleType("vllm.envs")
     envs.VLLM_USE_V2_MODEL_RUNNER = False
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     monkeypatch.setitem(sys.modules, "vllm.envs", envs)
     cfg = payload_module("config")
+    spec = SimpleNamespace(ddtree_budget=8, ddtree_depth=4, ddtree_budget_control="auto")
     vc = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=None),
                          parallel_config=_par(tensor_parallel_size=2), model_config=None,
-                         speculative_config=SimpleNamespace(ddtree_budget_control="auto"))
+                         speculative_config=spec)
     monkeypatch.delenv("VLLM_DDTREE_COST_TABLE", raising=False)
-    with pytest.raises(ValueError, match="VLLM_DDTREE_COST_TABLE"):
+    with pytest.raises(ValueError, match="ddtree_cost_table"):
         cfg.ddtree_vllm_config(vc)
-    monkeypatch.setenv("VLLM_DDTREE_COST_TABLE", "/tmp/table.json")
+    spec.ddtree_cost_table = "/tmp/table.json"
     cfg.ddtree_vllm_config(vc)
+    assert spec.ddtree_config.cost_table == "/tmp/table.json"
+    spec.ddtree_cost_table = None
+    monkeypatch.setenv("VLLM_DDTREE_COST_TABLE", "/tmp/old.json")
+    cfg.ddtree_vllm_config(vc)
+    assert spec.ddtree_config.cost_table == "/tmp/old.json"
     vc.parallel_config = _par()
     monkeypatch.delenv("VLLM_DDTREE_COST_TABLE")
     cfg.ddtree_vllm_config(vc)  # one rank: its own table
+    assert spec.ddtree_config.cost_table is None
+
+
+def test_the_v2_runtime_names_the_same_kinds():
+    """One list of refusals: config.py raises the first, the V2 runtime's check_runner
+    names every kind (tests/engine/test_v2_helpers.py runs it)."""
+    unsupported = payload_module("config").unsupported_parallelism
+    par = _par(pipeline_parallel_size=2, enable_dbo=True, decode_context_parallel_size=2,
+               prefill_context_parallel_size=2)
+    assert [k for k, _ in unsupported(par)] == [
+        "pipeline parallelism", "micro-batching (DBO)", "context parallelism (PCP/DCP)",
+        "context parallelism (PCP/DCP)"]
+    assert unsupported(SimpleNamespace(use_ubatching=True))[0][0] == "micro-batching (DBO)"
+    assert unsupported(_par(tensor_parallel_size=8)) == []

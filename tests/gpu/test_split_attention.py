@@ -254,10 +254,10 @@ def test_cuda_graph_replay_sees_new_trees(prefix):
 
 
 def test_backend_entry_point_routes_to_split(monkeypatch):
-    """cuda_attention.tree_attention (what the backends' hook calls) with
-    VLLM_DDTREE_SPLIT_ATTN=1 runs the split path (Triton prefix in fp32; the step's
-    context lengths computed once per metadata) and gives the single kernel's result;
-    a KV-sharing layer (key None) keeps the single kernel."""
+    """triton_tree.tree_attention (what the backends' hook calls) with the TreeState's
+    split mode "on" (ddtree_split_attn) runs the split path (Triton prefix in fp32; the
+    step's context lengths computed once per metadata) and gives the single kernel's
+    result; a KV-sharing layer (key None) keeps the single kernel."""
     from types import SimpleNamespace
 
     ca = payload_module("attention.triton_tree")
@@ -272,12 +272,12 @@ def test_backend_entry_point_routes_to_split(monkeypatch):
                         lambda *a, **k: calls.append(k["prefix"]) or real(*a, **k))
 
     def run(split, k=key, v=value):
-        monkeypatch.setattr(ca, "SPLIT", "1" if split else "0")
         md = SimpleNamespace(block_table=case["block_table"], seq_lens=case["seq_lens"],
                              query_start_loc=case["query_start_loc"], max_query_len=mq,
                              max_seq_len=int(case["seq_lens"].max()),
                              ddtree=SimpleNamespace(has_tree=case["has_tree"],
-                                                    mask=case["mask"]))
+                                                    mask=case["mask"],
+                                                    split="on" if split else "off"))
         out = torch.full_like(case["query"], float("nan"))
         ca.tree_attention(impl, None, case["query"], k, v, kv, md, out, "flash_attn",
                           "kv_outer")
@@ -291,21 +291,45 @@ def test_backend_entry_point_routes_to_split(monkeypatch):
     assert calls == ["triton"] and torch.equal(shared, single)
 
 
-def test_split_auto_decides_by_the_batch_shape(monkeypatch):
+def test_split_auto_decides_by_the_batch_shape():
     """'auto' (the default): batches of >= SPLIT_MIN_REQS requests split, smaller ones
-    keep the single kernel; '0' / '1' force it.  Only the launch shape decides (CUDA
+    keep the single kernel; 'off' / 'on' force it.  Only the launch shape decides (CUDA
     graphs replay what they captured)."""
     from types import SimpleNamespace
 
     ca = payload_module("attention.triton_tree")
-    assert ca.SPLIT == "auto" or "VLLM_DDTREE_SPLIT_ATTN" in os.environ
+    assert ca.TreeState(2, 4, "cpu").split == "auto"
+    assert payload_module("settings").DDTreeConfig(budget=4, depth=3).split_attn == "auto"
 
     def md(reqs):
         return SimpleNamespace(query_start_loc=torch.zeros(reqs + 1, dtype=torch.int32))
 
-    monkeypatch.setattr(ca, "SPLIT", "auto")
-    assert [ca.use_split(md(n)) for n in (1, 3, 4, 16)] == [False, False, True, True]
-    monkeypatch.setattr(ca, "SPLIT", "0")
-    assert not ca.use_split(md(16))
-    monkeypatch.setattr(ca, "SPLIT", "1")
-    assert ca.use_split(md(1))
+    assert [ca.use_split(md(n), "auto") for n in (1, 3, 4, 16)] == \
+        [False, False, True, True]
+    assert not ca.use_split(md(16), "off")
+    assert ca.use_split(md(1), "on")
+
+
+def test_the_tuning_file_is_read_at_the_first_launch_not_at_import(monkeypatch, tmp_path):
+    """VLLM_DDTREE_ATTN_TUNING replaces the launch table; importing the module never
+    opens it (a missing file fails the first pick, not vLLM's import)."""
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import PAYLOAD_PKG, ROOT
+
+    missing = str(tmp_path / "missing.json")
+    env = {**os.environ, "VLLM_DDTREE_ATTN_TUNING": missing, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", f"import {PAYLOAD_PKG}.attention.triton_tree"],
+                   env=env, check=True, timeout=300)
+    ca = payload_module("attention.triton_tree")
+    monkeypatch.setenv("VLLM_DDTREE_ATTN_TUNING", missing)
+    with pytest.raises(FileNotFoundError):
+        ca.pick_config(8)
+    table = [{"max_rows": 10, "block_q": 4}]
+    (tmp_path / "t.json").write_text(json.dumps(table))
+    monkeypatch.setenv("VLLM_DDTREE_ATTN_TUNING", str(tmp_path / "t.json"))
+    assert ca.pick_config(8) == table[0] and ca.pick_config(11) == {}
+    monkeypatch.delenv("VLLM_DDTREE_ATTN_TUNING")
+    assert ca.pick_config(8) == ca.TUNING[0]

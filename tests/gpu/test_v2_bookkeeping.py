@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import HAS_CUDA, INTERPRET, payload_module
+from .conftest import HAS_CUDA, INTERPRET, payload_module, spec_config
 
 DEVS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
@@ -133,7 +133,7 @@ def make_runner(dev, core, v2_step, temperature=0.0):
         draft_tokens=draft_tokens)
     runner = SimpleNamespace(
         device=torch.device(dev), max_num_reqs=4, req_states=req_states,
-        speculative_config=SimpleNamespace(ddtree_budget=B),
+        speculative_config=spec_config(B, L),
         speculator=SimpleNamespace(num_speculative_steps=L, trees=trees, expect=None,
                                    draft_attn_layer_names={"drafter.layers.0.attn"}),
         model_state=SimpleNamespace(),
@@ -474,7 +474,10 @@ def test_sampled_walk_is_seeded_per_request(dev, monkeypatch):
 
 @pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
 def test_fused_kernels_match_references():
+    """core/step.py's kernels and their torch references (what V1's CUDA runtime and
+    V2's both run), on V2's pack; a step without stored trees (tree None) too."""
     v2_step = payload_module("v2.step")
+    step_kernels = payload_module("core.step")
     core = payload_module("core")
     dev = "cuda" if HAS_CUDA else "cpu"
     runner, tree = make_runner(dev, core, v2_step)
@@ -488,23 +491,30 @@ def test_fused_kernels_match_references():
                            batch.positions, batch.idx_mapping, pl, trees.num_nodes, fused,
                            chain=True)
         assert chain.tolist() == [6, 0, 0, 0] + [-1] * 8
+        has0 = torch.ones(4, dtype=torch.int32, device=dev)
+        mask0 = torch.full((4, B + 1, B + 1), 7, dtype=torch.int8, device=dev)
+        wpar0 = torch.zeros(4, B, dtype=torch.int64, device=dev)
+        pos0 = batch.positions.clone()
+        step_kernels.prepare(chain, 4, B, None, pos0, has0, mask0, wpar0, fused)
+        assert has0.sum() == 0 and mask0.eq(7).all() and torch.equal(pos0, batch.positions)
+        assert wpar0.tolist() == [list(range(-1, B - 1))] * 4  # chains
         pack = torch.full((12,), 99, dtype=torch.int64, device=dev)
         v2_step.build_pack(pack, 4, batch.cu_num_logits, batch.query_start_loc,
                            batch.positions, batch.idx_mapping, pl, trees.num_nodes, fused)
         has = torch.ones(4, dtype=torch.int32, device=dev)
         mask = torch.zeros(4, B + 1, B + 1, dtype=torch.int8, device=dev)
         wpar = torch.zeros(4, B, dtype=torch.int64, device=dev)
-        v2_step.prepare(pack, 4, B, trees, batch.positions, has, mask, wpar, fused)
+        step_kernels.prepare(pack, 4, B, trees, batch.positions, has, mask, wpar, fused)
         pos_tree = batch.positions.clone()
         rows = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1], [0, -1, -1, -1],
                              [0, -1, -1, -1]], device=dev)
         nacc = torch.tensor([2, 0, 0, 0], device=dev)
         src = torch.zeros(4, 3, dtype=torch.int64, device=dev)
         dst, start, neff = src.clone(), src[:, 0].clone(), src[:, 0].clone()
-        v2_step.commit(pack, 4, rows, nacc, batch.positions, batch.input_ids, src, dst,
-                       start, neff, fused)
+        step_kernels.commit(pack, 4, rows, nacc, batch.positions, batch.input_ids, src, dst,
+                            start, neff, fused)
         h = torch.arange(20.0, device=dev).unsqueeze(1).repeat(1, 3)
-        v2_step.move_rows([h], src, dst, fused)
+        step_kernels.move_rows([h], src, dst, fused)
         res[fused] = [pack, has, mask, wpar, pos_tree, batch.positions, batch.input_ids,
                       src, dst, start, neff, h]
     for x, y in zip(res[False], res[True]):

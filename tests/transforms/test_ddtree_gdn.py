@@ -93,7 +93,7 @@ def test_hook_lands_once_at_the_top_and_nothing_else_changes(pristine, dist, ver
     assert EDIT.is_applied(out) and EDIT.apply(out) == out
     assert out.count(HOOK_CALL) == 1
     body = ast.parse(function_code(out, "_spec_forward").lstrip()).body[0].body
-    assert isinstance(body[1], ast.If) and "ddtree_budget" in ast.unparse(body[1].test)
+    assert isinstance(body[1], ast.If) and "use_ddtree()" in ast.unparse(body[1].test)
     assert isinstance(body[1].body[-1], ast.Return)  # the stock code runs when it is off
     added = [line for line in difflib.ndiff(src.splitlines(), out.splitlines())
              if line.startswith(("+ ", "- "))]

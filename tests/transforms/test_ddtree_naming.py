@@ -32,9 +32,9 @@ def test_repr_names_ddtree(pristine, dist, version):
     r = _patched_repr(out)
     draft = SimpleNamespace(model="/m/drafter")
     ddtree = SimpleNamespace(method="dflash", ddtree_budget=8, num_speculative_tokens=8,
-                             draft_model_config=draft)
+                             draft_model_config=draft, use_ddtree=lambda: True)
     dflash = SimpleNamespace(method="dflash", num_speculative_tokens=4,
-                             draft_model_config=draft)
+                             draft_model_config=draft, use_ddtree=lambda: False)
     assert r(ddtree) == "SpeculativeConfig(method='ddtree', model='/m/drafter', " \
                         "num_spec_tokens=8)"
     assert r(dflash) == "SpeculativeConfig(method='dflash', model='/m/drafter', " \

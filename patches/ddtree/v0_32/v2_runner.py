@@ -1,9 +1,9 @@
 """DDTree hooks for the V2 model runner of vLLM 0.32.0 and 0.33.0 (vllm/v1/worker/gpu/).
 
-Each hook is a few lines calling into the added package (v2_speculator.py,
-v2_runtime.py, v2_sampler.py, v2_step.py); all inert unless method='ddtree' runs on the
-V2 runner, which ``v0_32.VLLM_EDIT`` allows on CUDA (VLLM_DDTREE_V2=0/1 overrides;
-payload/config.py: ddtree_v2_enabled):
+Each hook is a few lines calling into the added package (v2/speculator.py,
+v2/runtime.py, v2/sampler.py, v2/step.py); all inert unless method='ddtree' runs on the
+V2 runner: VLLM_USE_V2_MODEL_RUNNER picks it, and where vLLM chooses, ``v1_runner
+.VLLM_EDIT`` allows it on CUDA (payload/config.py: ddtree_v2_enabled):
 
 * ``init_speculator``: the DFlash drafter becomes a DDTreeSpeculator (L mask queries,
   trees built on the device, stored by request-state slot; its ``propose`` first
@@ -17,9 +17,9 @@ payload/config.py: ddtree_v2_enabled):
   tree-attention hooks;
 * ``CudaGraphManager._init_candidates``: the target's FULL decode graphs also for the
   chain arm's query length (1 + C), which vLLM's schedule may not hold
-  (v2_chain_graphs.target_query_lens);
+  (v2/chain_graphs.py: target_query_lens);
 * ``Scheduler``: with ddtree_budget_control='auto' on V2, the lookup of drafts per batch
-  size becomes an ``ArmLookup`` (arms.py: the tree or the chain, by tokens/s from
+  size becomes an ``ArmLookup`` (sched/arms.py: the tree or the chain, by tokens/s from
   measured step times and both arms' tokens measured on the same tree steps) and every
   step output reaches its ``observe``.
 """
@@ -28,62 +28,47 @@ from __future__ import annotations
 
 from functools import partial
 
-from ...framework import Step, file_edit, insert_at_start, insert_near
+from ...framework import Step, file_edit, insert_at_start
+from ..hooks import RUNTIME, hook, on
 
 SPEC_INIT = "vllm/v1/worker/gpu/spec_decode/__init__.py"
 RUNNER = "vllm/v1/worker/gpu/model_runner.py"
 STATE = "vllm/v1/worker/gpu/model_states/default.py"
 SCHED = "vllm/v1/core/sched/scheduler.py"
 GRAPHS = "vllm/v1/worker/gpu/cudagraph_utils.py"
-PKG = "vllm.v1.spec_decode.ddtree"
 
 SPECULATOR_EDIT = file_edit(SPEC_INIT, [
-    Step("init_speculator", partial(
-        insert_near, qualname="init_speculator",
-        match=lambda c: c.strip() == "return DFlashSpeculator(vllm_config, device)",
-        before=True,
-        code=f"if speculative_config.use_ddtree():\n"
-             f"    from {PKG}.v2.speculator import DDTreeSpeculator\n\n"
-             f"    return DDTreeSpeculator(vllm_config, device)\n"),
-        "DDTreeSpeculator(vllm_config, device)"),
+    hook("init_speculator", "return DDTreeSpeculator(vllm_config, device)",
+         guard="speculative_config.use_ddtree()",
+         imports=("v2.speculator", "DDTreeSpeculator"),
+         at=lambda c: c.strip() == "return DFlashSpeculator(vllm_config, device)",
+         before=True),
 ], "V2 runner: the DFlash drafter -> DDTreeSpeculator when method='ddtree'")
 
 RUNNER_EDIT = file_edit(RUNNER, [
-    Step("GPUModelRunner.load_model", partial(
-        insert_near, qualname="GPUModelRunner.load_model",
-        match=lambda c: c.strip().startswith("self.rejection_sampler = RejectionSampler("),
-        code=f"if self.speculative_config.use_ddtree():\n"
-             f"    from {PKG}.v2.runtime import make_runtime\n\n"
-             f"    self.ddtree = make_runtime(self)\n"
-             f"    self.rejection_sampler = self.ddtree.sampler\n"),
-        "self.ddtree = make_runtime(self)"),
-    Step("GPUModelRunner.execute_model", partial(
-        insert_near, qualname="GPUModelRunner.execute_model",
-        match=lambda c: c.strip() == "block_tables, slot_mappings = "
-                                     "self.prepare_attn(input_batch)",
-        code="if getattr(self, 'ddtree', None) is not None:\n"
-             "    self.ddtree.prepare(input_batch)\n"),
-        "self.ddtree.prepare(input_batch)"),
+    hook("GPUModelRunner.load_model",
+         "self.ddtree = make_runtime(self)\n"
+         "self.rejection_sampler = self.ddtree.sampler\n",
+         guard="self.speculative_config.use_ddtree()",
+         imports=("v2.runtime", "make_runtime"),
+         at=lambda c: c.strip().startswith("self.rejection_sampler = RejectionSampler(")),
+    hook("GPUModelRunner.execute_model", "self.ddtree.prepare(input_batch)", guard=RUNTIME,
+         at=lambda c: c.strip() == "block_tables, slot_mappings = "
+                                   "self.prepare_attn(input_batch)"),
 ], "V2 runner: tree sampler, tree positions and tree masks of verify steps")
 
 STATE_EDIT = file_edit(STATE, [
-    Step("DefaultModelState.prepare_attn", partial(
-        insert_near, qualname="DefaultModelState.prepare_attn",
-        match=lambda c: c.lstrip().startswith("attn_metadata = build_attn_metadata("),
-        code="if getattr(self, 'ddtree', None) is not None:\n"
-             "    self.ddtree.mark(input_batch, attn_metadata, for_capture)\n"),
-        "self.ddtree.mark("),
+    hook("DefaultModelState.prepare_attn",
+         "self.ddtree.mark(input_batch, attn_metadata, for_capture)", guard=RUNTIME,
+         at=lambda c: c.lstrip().startswith("attn_metadata = build_attn_metadata(")),
 ], "V2 runner: tree attention for verify steps and FULL CUDA-graph captures")
 
 SCHEDULER_EDIT = file_edit(SCHED, [
-    Step("Scheduler.__init__", partial(
-        insert_near, qualname="Scheduler.__init__",
-        match=lambda c: c.lstrip().startswith(
-            "self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup("),
-        code=f"if getattr(speculative_config, 'ddtree_budget', None) is not None:\n"
-             f"    from {PKG}.sched.arms import wrap_lookup\n\n"
-             f"    self.dynamic_sd_lookup = wrap_lookup(self, self.dynamic_sd_lookup)\n"),
-        "wrap_lookup(self, self.dynamic_sd_lookup)"),
+    hook("Scheduler.__init__",
+         "self.dynamic_sd_lookup = wrap_lookup(self, self.dynamic_sd_lookup)",
+         guard=on("speculative_config"), imports=("sched.arms", "wrap_lookup"),
+         at=lambda c: c.lstrip().startswith(
+             "self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(")),
     Step("Scheduler.update_from_output", partial(
         insert_at_start, qualname="Scheduler.update_from_output",
         code="observe = getattr(self.dynamic_sd_lookup, 'observe', None)\n"
@@ -94,14 +79,12 @@ SCHEDULER_EDIT = file_edit(SCHED, [
    "by tokens/s (measured step times, the drafter's expected tokens)")
 
 GRAPHS_EDIT = file_edit(GRAPHS, [
-    Step("CudaGraphManager._init_candidates", partial(
-        insert_near, qualname="CudaGraphManager._init_candidates",
-        match=lambda c: c.strip().startswith("decode_query_lens = sorted("),
-        code=f"if getattr(speculative_config, 'ddtree_budget', None) is not None:\n"
-             f"    from {PKG}.v2.chain_graphs import target_query_lens\n\n"
-             f"    decode_query_lens = target_query_lens(\n"
-             f"        self, decode_query_lens, num_new_sampled_tokens_per_step)\n"),
-        "target_query_lens("),
+    hook("CudaGraphManager._init_candidates",
+         "decode_query_lens = target_query_lens(\n"
+         "    self, decode_query_lens, num_new_sampled_tokens_per_step)\n",
+         guard=on("speculative_config"), imports=("v2.chain_graphs", "target_query_lens"),
+         at=lambda c: c.strip().startswith("decode_query_lens = sorted("),
+         marker="target_query_lens("),
 ], "V2 runner, ddtree_budget_control='auto': the target's FULL graphs for chain-arm "
    "steps at the tree batch sizes")
 

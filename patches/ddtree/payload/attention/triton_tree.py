@@ -29,10 +29,10 @@ cache layout.
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
+from .. import envs
 from .tiles import head_view
 from ..core._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
 
@@ -43,32 +43,43 @@ MAX_SPLITS = 8
 # Launch configs by the step's query rows (num_reqs * max_query_len): the first entry
 # whose bound is >= rows wins; missing fields keep the defaults (block_q = 64 // G query
 # tokens per program, 64-key tiles, automatic key splits, 4 warps, Triton's stages).
-# VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table (bench/gpu/attn_sweep.py
-# writes one from measurements).
+# VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table, read at the first launch
+# (bench/gpu/attn_sweep.py writes one from measurements).
 TUNING: list[dict] = [  # H200, bench/gpu/attn_sweep.py (bench/RESULTS.md)
     {"max_rows": 96, "block_q": 8, "block_n": 32, "splits": 8},
     {"max_rows": 512, "block_q": 16, "block_n": 32, "splits": 4},
     {"max_rows": 2048, "block_q": 16, "block_n": 32, "splits": 1, "num_warps": 4,
      "num_stages": 2},
 ]
-if os.environ.get("VLLM_DDTREE_ATTN_TUNING"):
-    with open(os.environ["VLLM_DDTREE_ATTN_TUNING"]) as _f:
-        TUNING = json.load(_f)
+_loaded: dict[str, list] = {}  # tuning file -> its table
+
+
+def tuning() -> list[dict]:
+    """TUNING, or the table in $VLLM_DDTREE_ATTN_TUNING (read once per file)."""
+    path = envs.attn_tuning()
+    if path is None:
+        return TUNING
+    if path not in _loaded:
+        with open(path) as f:
+            _loaded[path] = json.load(f)
+    return _loaded[path]
 
 
 def pick_config(rows: int) -> dict:
-    for t in TUNING:
+    for t in tuning():
         if rows <= t["max_rows"]:
             return t
     return {}
 
 
 class TreeState:
-    """Static per-step tree inputs of the kernel (fixed addresses: CUDA-graph safe)."""
+    """Static per-step tree inputs of the kernel (fixed addresses: CUDA-graph safe),
+    and the split mode (ddtree_split_attn) of the runtime that fills them."""
 
-    def __init__(self, max_reqs: int, budget: int, device):
+    def __init__(self, max_reqs: int, budget: int, device, split: str = "auto"):
         rows = budget + 1
         self.rows = rows
+        self.split = split
         self.has_tree = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self.mask = torch.zeros(max_reqs, rows, rows, dtype=torch.int8, device=device)
 
@@ -292,7 +303,8 @@ def tree_attention(impl, layer, query, key, value, kv_cache, md, output, backend
         impl._ddtree_checked = True
     state = md.ddtree
     key_cache, value_cache = split_kv(kv_cache, layout, impl.head_size)
-    if key is not None and value is not None and use_split(md):  # None: KV sharing
+    # key None: a layer sharing another's KV (the single kernel)
+    if key is not None and value is not None and use_split(md, state.split):
         return _split(impl, query, key, value, key_cache, value_cache, md, output, state,
                       backend)
     return launch(query, key_cache, value_cache, output, md.block_table, md.seq_lens,
@@ -300,23 +312,20 @@ def tree_attention(impl, layer, query, key, value, kv_cache, md, output, backend
                   md.max_query_len, impl.num_kv_heads)
 
 
-# Split tree attention (split_attention.py): the context through the backend's
-# FlashAttention (or our Triton prefix kernel), only the tree through Triton.
-# VLLM_DDTREE_SPLIT_ATTN: "auto" (default) splits batches of >= SPLIT_MIN_REQS requests,
-# where it is much faster (H200: 1.13x FA3 vs 7.7x for the single kernel at 16 requests,
-# context 4096); at batch 1 the single kernel is as fast.  "1": always, "0": never.
-SPLIT = os.environ.get("VLLM_DDTREE_SPLIT_ATTN", "auto").strip().lower()
+# Split tree attention (split.py): the context through the backend's FlashAttention
+# (or our Triton prefix kernel), only the tree through Triton.  ddtree_split_attn:
+# "auto" (default) splits batches of >= SPLIT_MIN_REQS requests, where it is much
+# faster (H200: 1.13x FA3 vs 7.7x for the single kernel at 16 requests, context 4096);
+# at batch 1 the single kernel is as fast.  "on": always, "off": never.
 SPLIT_MIN_REQS = 4
 
 
-def use_split(md) -> bool:
+def use_split(md, mode: str) -> bool:
     """Decided from the launch shape only (the batch's request count), so a captured
     CUDA graph always replays the path it was captured with."""
-    if SPLIT in ("1", "true", "on"):
-        return True
-    if SPLIT == "auto":
+    if mode == "auto":
         return md.query_start_loc.shape[0] - 1 >= SPLIT_MIN_REQS
-    return False
+    return mode == "on"
 
 
 def _split(impl, query, key, value, key_cache, value_cache, md, output, state, backend):

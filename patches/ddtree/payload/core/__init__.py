@@ -24,6 +24,8 @@ build_tree(draft [N, L, V] logits, budget: int | LongTensor[N], max_budget,
 vocab_topk(x [..., V], k, with_lse=True, impl='auto') -> (values, ids, lse)
     One fused pass (two Triton launches on CUDA): top k by (value desc, id asc) and
     the float32 logsumexp; impl='torch' is the reference.
+chain_parents(width, device), chain_depths(width, device): a chain's parents / depths
+    (drafts verified without a tree).
 build_chain_from_topk(vals, idx, max_budget, lse) -> DDTree
     The drafter's top-1 chain (DFlash's argmax drafts) as a chain-shaped DDTree;
     top1(vals, idx) -> (tokens [N, L], columns): just its tokens (for unsorted top-K;
@@ -68,6 +70,8 @@ from .tree_build import (
     build_tree,
     build_tree_from_topk,
     canonical_topk,
+    chain_depths,
+    chain_parents,
     chain_scores,
     quantize_logprobs,
     top1,
@@ -77,7 +81,8 @@ from .tree_walk import WalkResult, masses, walk_greedy, walk_sampled
 
 __all__ = [
     "HAS_TRITON", "gdn_tree", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "chain_scores", "vocab_topk",
-    "row_logsumexp", "ancestor_mask", "canonical_topk", "top1",
+    "row_logsumexp", "ancestor_mask", "canonical_topk", "top1", "chain_parents",
+    "chain_depths",
     "quantize_logprobs", "WalkResult",
     "walk_greedy", "walk_sampled", "masses", "target_probs", "apply_top_k_top_p", "compact_kv",
     "compact_kv_slots", "compaction_slots", "token_view", "LAYOUTS",

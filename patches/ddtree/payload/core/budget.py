@@ -111,9 +111,9 @@ class CostTable:
         return cls(src["tree"], src.get("chain"), src.get("source", src.get("gpu", "")))
 
     @classmethod
-    def for_device(cls, device_name: str) -> "CostTable":
-        """$VLLM_DDTREE_COST_TABLE (a JSON file) or the shipped table for this GPU."""
-        path = os.environ.get("VLLM_DDTREE_COST_TABLE")
+    def for_device(cls, device_name: str, path=None) -> "CostTable":
+        """The table in ``path`` (a JSON file: ddtree_cost_table) or the shipped table
+        for this GPU."""
         if path:
             return cls.load(path)
         for key, table in TABLES.items():
@@ -122,7 +122,7 @@ class CostTable:
         raise ValueError(
             f"ddtree_budget_control='auto' needs a step-cost table for {device_name!r} "
             f"(shipped: {', '.join(TABLES)}): measure one (bench/gpu/step_bench.py) and "
-            "point VLLM_DDTREE_COST_TABLE at it, or set ddtree_budget_control='off'")
+            "point ddtree_cost_table at it, or set ddtree_budget_control='off'")
 
     @staticmethod
     def from_step_bench(*results, gpu: str = "", source: str = "") -> dict:
@@ -370,7 +370,7 @@ def control_mode(spec) -> str:
     """SpeculativeConfig.ddtree_budget_control ('off' when the field is absent)."""
     mode = getattr(spec, "ddtree_budget_control", None) or "off"
     if mode not in CONTROL_MODES:
-        raise ValueError(f"ddtree_budget_control must be one of {CONTROL_MODES}, got {mode!r}")
+        raise ValueError(f"ddtree_budget_control must be 'off' or 'auto', got {mode!r}")
     return mode
 
 

@@ -9,16 +9,24 @@ the host work between two forwards stays small:
   moved to the rows right after the root, the path's source/destination rows (for
   the drafter's aux hidden states), the KV start position and the accepted count.
 
-``PACK`` is the host-built int64 array [nd (n) | prev (n) | roots (n)]: drafts per
-request, index of its stored tree (-1: none) and token row of its root (-1: no
-drafts).  The torch versions in v1/cuda.py and v2/step.py are the references (tests compare).
+``PACK`` is the int64 array [nd (n) | prev (n) | roots (n)]: drafts per request,
+index of its stored tree (-1: none) and token row of its root (-1: no drafts).
+``prepare`` / ``commit`` / ``move_rows`` launch the kernels when ``fused`` (use_fused:
+CUDA, or the Triton interpreter), else run their torch references here (the tests
+compare both).  V1's CUDA runtime and V2's runtime both go through them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, next_pow2, tl, triton
+from ._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
+from .tree_build import chain_parents
+
+
+def use_fused(device) -> bool:
+    """The Triton kernels on CUDA (or the interpreter); the torch references elsewhere."""
+    return HAS_TRITON and (torch.device(device).type == "cuda" or interpreting())
 
 if HAS_TRITON:
 
@@ -115,9 +123,12 @@ if HAS_TRITON:
                 tl.store(H + d * s_h + c, x, mask=cm)
 
 
-def prepare(pack, n, width, tree, positions, has_tree, mask, walk_parents):
-    """Launch _prepare_kernel over has_tree's rows; tree may be None (no stored trees:
-    then no row has prev >= 0 and the tree tensors are not read)."""
+def prepare(pack, n, width, tree, positions, has_tree, mask, walk_parents, fused: bool):
+    """Tree positions, TreeState rows (has_tree over all its rows, mask) and the walk's
+    parents [n, width] of this step; tree (parents, depths, ancestor_mask by the pack's
+    prev index) may be None when no row has one (prev < 0 everywhere)."""
+    if not fused:
+        return prepare_torch(pack, n, width, tree, positions, has_tree, mask, walk_parents)
     rows = mask.shape[1]
     if tree is None:
         dep = par = walk_parents
@@ -133,16 +144,78 @@ def prepare(pack, n, width, tree, positions, has_tree, mask, walk_parents):
         R=rows, BW=next_pow2(max(width, 1)), BR=br, RB=rb, num_warps=4)
 
 
-def commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff):
-    """Launch _commit_kernel; src/dst [n, W] (W = rows.shape[1] - 1), start/neff [n]."""
+def prepare_torch(pack, n, width, tree, positions, has_tree, mask, walk_parents) -> None:
+    """Reference of _prepare_kernel: tree rows get position = root + depth, TreeState
+    rows (has_tree, mask) come from the stored trees, the walk gets their parents (a
+    chain for rows without a tree); has_tree rows >= n are cleared."""
+    nd, prev, roots = pack[:n], pack[n: 2 * n], pack[2 * n: 3 * n]
+    rows = prev >= 0
+    has = torch.zeros_like(has_tree)
+    has[:n] = rows.to(has.dtype)
+    has_tree.copy_(has)
+    chain = chain_parents(width, pack.device).expand(n, width)
+    if tree is None:
+        walk_parents.copy_(chain)
+        return
+    p = prev.clamp(min=0)
+    walk_parents.copy_(torch.where(rows.unsqueeze(1), tree.parents[p, :width], chain))
+    ar = torch.arange(width, device=pack.device)
+    sel = rows.unsqueeze(1) & (ar.unsqueeze(0) < nd.unsqueeze(1))
+    at = roots.clamp(min=0).unsqueeze(1) + 1 + ar
+    new = positions[roots.clamp(min=0)].unsqueeze(1) + tree.depths[p, :width]
+    positions[at[sel]] = new[sel]
+    r = mask.shape[1]
+    keep = mask[:n].clone()
+    keep[rows] = tree.ancestor_mask[p[rows], :r, :r].to(mask.dtype)
+    mask[:n] = keep
+
+
+def commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff, fused: bool):
+    """Positions back to linear, the accepted path's input ids and source / destination
+    rows; src/dst [n, W] (W = rows.shape[1] - 1), start/neff [n]."""
+    if not fused:
+        return commit_torch(pack, n, rows, nacc, positions, input_ids, src, dst, start,
+                            neff)
     w = rows.shape[1] - 1
     _commit_kernel[(n,)](pack, n, rows, rows.stride(0), nacc, positions, input_ids, src, dst,
                          start, neff, W=w, BW=next_pow2(max(w, 1)), num_warps=4)
 
 
-def move_rows(hs, src, dst):
+def commit_torch(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff) -> None:
+    """Reference of _commit_kernel: the first tree rows back to linear positions (the
+    kernel's block: next_pow2(W) rows, W = rows.shape[1] - 1 = the walk's depth; deeper
+    rows are never accepted, so never read as context); per request the root position
+    (start), the accepted count (neff) and the [n, W] source / destination token rows of
+    its path (-1 padded); input ids moved along the path."""
+    nd, prev, roots = pack[:n], pack[n: 2 * n], pack[2 * n: 3 * n]
+    w = rows.shape[1] - 1
+    valid = roots >= 0
+    rc = roots.clamp(min=0)
+    p0 = positions[rc]
+    bw = torch.arange(next_pow2(max(w, 1)), device=pack.device)
+    sel = (prev >= 0).unsqueeze(1) & (bw.unsqueeze(0) < nd.unsqueeze(1))
+    positions[(rc.unsqueeze(1) + 1 + bw)[sel]] = (p0.unsqueeze(1) + 1 + bw)[sel]
+    ar = bw[:w]
+    na = torch.where(valid, nacc.long(), 0)
+    start[:n] = p0
+    neff[:n] = na
+    ok = ar.unsqueeze(0) < na.unsqueeze(1)
+    s = torch.where(ok, rc.unsqueeze(1) + rows[:, 1:].long(), -1)
+    d = torch.where(ok, rc.unsqueeze(1) + 1 + ar, -1)
+    src.copy_(s)
+    dst.copy_(d)
+    input_ids[d[ok]] = input_ids[s[ok]].clone()
+
+
+def move_rows(hs, src, dst, fused: bool):
     """h[dst] = h[src] for every h in hs ([T, D] tensors, rows contiguous) along the
     -1-padded [n, W] path rows of commit: one launch per 8 tensors of one kind."""
+    if not fused:
+        ok = src >= 0
+        s, d = src[ok], dst[ok]
+        for h in hs:
+            h[d] = h[s].clone()
+        return
     n, w = src.shape
     groups: dict = {}
     for h in hs:

@@ -80,6 +80,17 @@ class DDTree:
     max_budget: int  # B_max
 
 
+def chain_parents(width: int, device) -> torch.Tensor:
+    """[width] int64: a chain's parents (node k hangs under node k - 1, node 0 under the
+    root: -1), the shape of drafts verified without a tree."""
+    return torch.arange(-1, width - 1, device=device)
+
+
+def chain_depths(width: int, device) -> torch.Tensor:
+    """[width] int64: a chain's depths (node k at depth k + 1)."""
+    return torch.arange(1, width + 1, device=device)
+
+
 def quantize_logprobs(lp: torch.Tensor) -> torch.Tensor:
     """float log-probs -> int64 fixed point (units 2**-26), excluded -> Q_NEG."""
     x = lp.float()

@@ -15,11 +15,12 @@ measured here (stable from a few steps).  Tokens per step, measured on each arm'
 steps, are too noisy to compare arms over a few steps (one step's accepted length
 varies as much as its mean), so where the worker runs in this process (vLLM's
 in-process executor: one GPU) it publishes both arms' tokens measured on the same tree
-steps (v2_arms.py: the chain's accepted length is read off the tree step's output;
-EXPECTED); elsewhere (TP > 1) the measured tokens stand in.  The verify width is fixed a step
+steps (paired.py: the chain's accepted length is read off the tree step's output),
+through the engine's ArmChannel (channel.py: expected); elsewhere (TP > 1) the
+measured tokens stand in.  The verify width is fixed a step
 ahead (async scheduling), so the choice is per batch size, not per step as on V1
 (core/budget.py).  Where both counts are published, the tree leads only while its
-edge over the chain exceeds Z standard errors of the paired estimate (SPREAD): the
+edge over the chain exceeds Z standard errors of the paired estimate (spread): the
 chain is the safe side of a close call (H200, run 10: p80 at two requests, the tree
 picked on an edge within its noise ran 0.89-0.91x the chain).  Else (measured tokens)
 the other arm must beat the leader by MARGIN.  The first steps of each arm
@@ -34,25 +35,25 @@ ms; the cause was not found).  That first step's excess over the new arm's media
 the switch's cost (summary: switch_ms); where it is positive a choice holds long
 enough that a switch costs at most SWITCH_SHARE of its steps (simulated with 5 ms a
 switch, bench/arms_sim.py: 0.964-0.968 -> 0.977-0.981 of the chain where the chain
-wins).  VLLM_DDTREE_ARMS="window,explore" overrides WINDOW and EXPLORE and pins the
-window (tests); a bad value is refused at engine configuration.
+wins).  ddtree_arms=[window, explore] overrides WINDOW and EXPLORE and pins the
+window (tests; settings.py refuses a bad value at engine configuration).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from collections import deque
 
 from .. import log
+from .channel import ArmChannel
 
 WINDOW = 4
 EXPLORE = 16
 CLEAR = 1.15
 MIN_STEPS = 4  # calibration steps per arm on measured tokens
-MIN_PAIRED = 2  # and where the worker half publishes paired counts (PAIRED)
+MIN_PAIRED = 2  # and where the worker half publishes paired counts (channel.paired)
 WELL = 12  # steps of the less played arm before exploring less than every EXPLORE-th
 RECENT = 16  # step times kept per arm
 DECAY = 0.97  # weight of older steps, per step of the same arm
@@ -60,56 +61,6 @@ MARGIN = 1.02  # measured tokens: the other arm must beat the leader by 2 % to l
 SWITCH_SHARE = 0.1  # a choice holds long enough that a measured switch costs <= 10 %
 Z = 1.0  # published counts: the tree leads only where its edge exceeds Z std errors
 LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
-
-
-def _knobs() -> tuple[int, int]:
-    """(WINDOW, EXPLORE), or VLLM_DDTREE_ARMS's; ValueError for a bad value."""
-    raw = os.environ.get("VLLM_DDTREE_ARMS", "").strip()
-    if not raw:
-        return WINDOW, EXPLORE
-    try:
-        w, e = (int(x) for x in raw.split(","))
-    except ValueError:
-        raise ValueError(f"VLLM_DDTREE_ARMS must be 'window,explore' (two integers >= 1), "
-                         f"got {raw!r}") from None
-    if w < 1 or e < 2:
-        raise ValueError(f"VLLM_DDTREE_ARMS: window >= 1 and explore >= 2, got {raw!r}")
-    return w, e
-
-
-# set by the worker half (v2_arms.ArmExpect) when it runs in this process: its paired
-# counts will be published, so each arm needs fewer steps of its own to start
-PAIRED = False
-
-# batch size -> (tokens per request-step of the tree, of the chain), both measured on
-# the same tree steps and published by the worker in this process (v2_arms.py)
-EXPECTED: dict[int, tuple[float, float]] = {}
-
-
-# batch size -> (var of the tree's count, var of the chain's, their covariance, rows):
-# the spread of the paired counts per request-step, for the choice's error bar (rows:
-# the effective number of the decayed rows, (sum w)^2 / sum w^2)
-SPREAD: dict[int, tuple[float, float, float, float]] = {}
-
-
-# batch size -> {b: tokens per request-step of the best tree of b nodes}, priced on the
-# same tree steps (v2_arms.py; reported in summary(), not chosen)
-SUBTREES: dict[int, dict[int, float]] = {}
-
-
-def publish(rows, subtrees=()) -> None:
-    """rows[n] = [tree accepted sum, rows, chain accepted sum, rows, sums of tree^2,
-    chain^2, tree x chain and of the rows' squared weights, then one accepted sum per
-    subtree size in ``subtrees``] (v2_arms.py; both counts come from the same rows)."""
-    for n, row in enumerate(rows):
-        t, tn, c, cn, t2, c2, tc, w2 = row[:8]
-        if tn > 0 and cn > 0:
-            EXPECTED[n] = (1.0 + t / tn, 1.0 + c / cn)
-            mt, mc = t / tn, c / tn
-            SPREAD[n] = (max(t2 / tn - mt * mt, 0.0), max(c2 / tn - mc * mc, 0.0),
-                         tc / tn - mt * mc, tn * tn / w2 if w2 > 0 else tn)
-            if subtrees:
-                SUBTREES[n] = {b: 1.0 + s / tn for b, s in zip(subtrees, row[8:])}
 
 
 class Arm:
@@ -144,12 +95,15 @@ class ArmLookup(list):
     """vLLM's lookup (index = number of scheduled requests -> drafts), with the tree
     batch sizes answered by the arm choice.  ``observe`` takes each step's output."""
 
-    def __init__(self, lookup, chain: int, clock=time.perf_counter):
+    def __init__(self, lookup, chain: int, channel: ArmChannel | None = None,
+                 pinned: tuple[int, int] | None = None, clock=time.perf_counter):
         super().__init__(lookup)
         self.chain = chain
-        self.window, self.explore = _knobs()
-        # VLLM_DDTREE_ARMS pins the window (tests that switch at every step keep doing so)
-        self.pinned = bool(os.environ.get("VLLM_DDTREE_ARMS", "").strip())
+        # the worker half's counts (DDTreeConfig.channel; a scheduler alone: its own)
+        self.channel = ArmChannel() if channel is None else channel
+        # ddtree_arms pins (window, explore): tests that switch at every step keep doing so
+        self.pinned = pinned
+        self.window, self.explore = (WINDOW, EXPLORE) if pinned is None else pinned
         self.clock = clock
         # batch size -> (tree drafts, chain drafts), for the sizes whose budget is a tree
         self.arms = {n: (k, chain) for n, k in enumerate(lookup) if n and k > chain >= 1}
@@ -164,9 +118,11 @@ class ArmLookup(list):
         self._width: dict[int, int] = {}  # batch size -> drafts of its last decode step
         # batch size -> [switches measured, the last RECENT first steps' excess seconds]
         self.switches: dict[int, list] = {}
-        EXPECTED.clear()  # a new engine: nothing of an earlier one's drafter
-        SPREAD.clear()
-        SUBTREES.clear()
+        self.channel.clear()  # a fresh start: nothing of an earlier drafter's
+
+    def renew(self) -> "ArmLookup":
+        """A fresh controller (nothing measured) on the same lookup, channel and knobs."""
+        return type(self)(list(self), self.chain, self.channel, self.pinned, self.clock)
 
     def __getitem__(self, n):
         if type(n) is int and n in self.arms:
@@ -179,7 +135,7 @@ class ArmLookup(list):
             return self.current[n]
         tree, chain = self.arms[n]
         t, c = self.stats[(n, tree)], self.stats[(n, chain)]
-        least = MIN_PAIRED if PAIRED else MIN_STEPS
+        least = MIN_PAIRED if self.channel.paired else MIN_STEPS
         if t.steps < least:
             pick = tree
         elif c.steps < least:
@@ -210,10 +166,10 @@ class ArmLookup(list):
 
     def _window(self, n: int) -> int:
         """Steps a choice holds: WINDOW, or as many as make a measured switch cost at
-        most SWITCH_SHARE of them (up to 4 x WINDOW); VLLM_DDTREE_ARMS's, fixed."""
+        most SWITCH_SHARE of them (up to 4 x WINDOW); ddtree_arms's, fixed."""
         excess = self.switch_s(n)
         steps = [self.stats[(n, k)].step_s for k in self.arms[n]]
-        if self.pinned or excess is None or excess <= 0 or min(steps) <= 0:
+        if self.pinned is not None or excess is None or excess <= 0 or min(steps) <= 0:
             return self.window
         per = excess / (SWITCH_SHARE * min(steps))
         return max(self.window, min(4 * self.window, math.ceil(per)))
@@ -226,9 +182,10 @@ class ArmLookup(list):
 
     def rates(self, n: int) -> dict[int, float]:
         """Tokens/s per arm at batch size n: the worker's expected tokens per step over
-        the measured step time when published (EXPECTED), else the measured tokens."""
+        the measured step time when published (channel.expected), else the measured
+        tokens."""
         ks = self.arms[n]
-        exp = EXPECTED.get(n)
+        exp = self.channel.expected.get(n)
         if exp is None:
             return {k: self.stats[(n, k)].rate for k in ks}
         return {k: e / s.step_s if s.step_s > 0 else 0.0
@@ -236,9 +193,9 @@ class ArmLookup(list):
 
     def edge(self, n: int) -> float | None:
         """The tree's lead over the chain in tokens/s per request, in standard errors of
-        the paired counts (SPREAD), or None before both counts and step times are
-        known."""
-        exp, spread = EXPECTED.get(n), SPREAD.get(n)
+        the paired counts (channel.spread), or None before both counts and step times
+        are known."""
+        exp, spread = self.channel.expected.get(n), self.channel.spread.get(n)
         tree, chain = self.arms[n]
         a, b = self.stats[(n, tree)].step_s, self.stats[(n, chain)].step_s
         if exp is None or spread is None or a <= 0 or b <= 0:
@@ -304,7 +261,7 @@ class ArmLookup(list):
         tokens of smaller trees priced on the same steps."""
         out = {}
         for n, ks in self.arms.items():
-            exp = EXPECTED.get(n, (None, None))
+            exp = self.channel.expected.get(n, (None, None))
             out[n] = {("tree" if k == ks[0] else "chain") + f" {k}": {
                 "tok_per_s": round(self.stats[(n, k)].rate, 1),
                 "ms": round(1e3 * self.stats[(n, k)].step_s, 3),
@@ -317,8 +274,9 @@ class ArmLookup(list):
             if self.switch_s(n) is not None:  # a switch's cost beyond the new arm's step
                 out[n]["switches"] = self.switches[n][0]
                 out[n]["switch_ms"] = round(1e3 * self.switch_s(n), 3)
-            if n in SUBTREES:
-                out[n]["subtrees"] = {b: round(v, 3) for b, v in SUBTREES[n].items()}
+            subtrees = self.channel.subtrees.get(n)
+            if subtrees is not None:
+                out[n]["subtrees"] = {b: round(v, 3) for b, v in subtrees.items()}
         return out
 
 
@@ -329,14 +287,9 @@ def _log(what, warn: bool = False) -> None:
 def wrap_lookup(scheduler, lookup):
     """Scheduler.__init__ hook: the arm lookup when DDTree's controller runs on the V2
     runner and some batch size verifies a tree, else ``lookup`` unchanged."""
-    cfg = getattr(scheduler, "vllm_config", None)
-    spec = getattr(cfg, "speculative_config", None)
-    if lookup is None or getattr(spec, "ddtree_budget", None) is None or \
-            getattr(spec, "ddtree_budget_control", None) != "auto":
+    spec = getattr(getattr(scheduler, "vllm_config", None), "speculative_config", None)
+    cfg = getattr(spec, "ddtree_config", None)
+    if lookup is None or cfg is None or not cfg.v2 or cfg.budget_control != "auto":
         return lookup
-    from ..config import _uses_v2
-
-    if not _uses_v2(cfg):
-        return lookup
-    arms = ArmLookup(lookup, getattr(spec, "ddtree_chain_budget", None) or 0)
+    arms = ArmLookup(lookup, cfg.chain_budget, cfg.channel, cfg.arms)
     return arms if arms.arms else lookup

@@ -17,23 +17,24 @@ add nothing.
 The same step also prices every smaller tree exactly: the best tree of b nodes is the
 first b nodes in pop order (a subtree, parents first), and its walk would have stopped
 where the accepted path leaves it.  For ``subtrees`` (b > C) those counts are published
-too (``arms.SUBTREES``, reported only: the choice plays B or C).
+too (``channel.subtrees``, reported only: the choice plays B or C).
 
 Sums per batch size stay on the device (no host sync); after each of the first PUBLISH
 tree steps and then every PUBLISH-th they are copied to pinned memory without a sync
-and published, at the next tree step whose copy has landed, to
-``arms.EXPECTED`` (tokens per request-step, bonus included), which the scheduler's
-ArmLookup divides by its measured step times, with the paired spread of the two counts
-(``arms.SPREAD``): the tree is played only where its edge clears its error bar.  One
-process only (the scheduler and this worker share ``arms``: vLLM's in-process executor,
-TP = 1); elsewhere the scheduler falls back to measured tokens.
+and published, at the next tree step whose copy has landed, to the engine's
+ArmChannel (channel.py: ``expected``, tokens per request-step, bonus included), which
+the scheduler's ArmLookup divides by its measured step times, with the paired spread
+of the two counts (``spread``): the tree is played only where its edge clears its
+error bar.  One process only (the scheduler and this worker hold the same channel:
+vLLM's in-process executor, TP = 1); elsewhere the scheduler falls back to measured
+tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import arms
+from .channel import ArmChannel
 
 PUBLISH = 4  # measured tree steps between two copies of the sums to the host
 # weight of the sums after each copy (older steps fade): about 40 rows remembered
@@ -45,7 +46,7 @@ KEEP = 0.9
 
 class ArmExpect:
     def __init__(self, tree_sizes, chain: int, depth: int, max_reqs: int, device,
-                 subtrees=()):
+                 subtrees=(), channel: ArmChannel | None = None):
         self.tree_sizes = set(tree_sizes)  # batch sizes that have arms
         self.chain = min(chain, depth)  # C drafts of the chain arm
         self.subtrees = sorted({b for b in subtrees if b > self.chain})
@@ -70,7 +71,9 @@ class ArmExpect:
         self.event = torch.cuda.Event() if cuda else None
         self.calls = 0
         self.pending = False
-        arms.PAIRED = True  # the scheduler in this process will get paired counts
+        # the scheduler holding this channel will get paired counts
+        self.channel = ArmChannel() if channel is None else channel
+        self.channel.paired = True
 
     def reset(self) -> None:
         """Forget every measured step (benchmarks: each cell starts afresh)."""
@@ -130,7 +133,7 @@ class ArmExpect:
         self.calls += 1
         if self.pending and (self.event is None or self.event.query()):
             self.pending = False
-            arms.publish(self.host.tolist(), self.subtrees)
+            self.channel.publish(self.host.tolist(), self.subtrees)
         # the first PUBLISH steps each (so that the choice starts early), then every
         # PUBLISH-th, when older steps fade
         early = self.calls < PUBLISH

@@ -3,9 +3,8 @@ step order as ``runtime.DDTreeRuntime`` (the CPU one), built for speed and CUDA 
 
 * no host syncs and few launches: per request, the host packs [drafts | stored-tree
   index | root row | draft tokens] (numpy, from what it already knows) into one pinned,
-  non-blocking copy; ``step_kernels.prepare`` / ``step_kernels.commit`` do the rest in one
-  Triton launch each (``_prepare_torch`` / ``_commit_torch``: their torch reference,
-  used where Triton is not);
+  non-blocking copy; core/step.py's ``prepare`` / ``commit`` do the rest in one Triton
+  launch each (or their torch references there, where Triton is not);
 * the tree attention reads its inputs from ``TreeState`` (fixed addresses), filled in
   ``prepare`` before the forward, so FULL CUDA graphs captured with the tree kernel
   replay correctly (``attach_dummy`` marks the capture runs' metadata);
@@ -25,7 +24,6 @@ import torch
 
 from ..core import step as step_kernels
 from ..core import DDTree, compact_kv
-from ..core._triton import HAS_TRITON, interpreting
 from ..attention.triton_tree import TreeState
 from .runtime import DDTreeRuntime
 
@@ -64,12 +62,10 @@ def _groups_of(runner, layer_names) -> set[int]:
 class CudaStep:
     """What the sampler and commit() need of this step's trees."""
 
-    def __init__(self, num_drafts, tree, pack, n, fix=None):
+    def __init__(self, num_drafts, tree, pack):
         self.num_drafts = num_drafts  # list[int] per batch row (the sampler checks it)
         self.tree = tree  # DDTree [n, dmax]: scheduled tokens, parents, num_nodes
         self.pack = pack  # device int64 [nd | prev | roots], see core/step.py
-        self.roots = pack[2 * n: 3 * n]  # token row of each root, -1 = no drafts
-        self.fix = fix  # torch path: (tok_rows, root_rows, j) of the tree-position rows
 
 
 class CudaDDTreeRuntime(DDTreeRuntime):
@@ -77,7 +73,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         super().__init__(runner)
         dev = runner.device
         self.max_reqs = runner.max_num_reqs
-        self.state = TreeState(self.max_reqs, self.budget, dev)
+        self.state = TreeState(self.max_reqs, self.budget, dev, self.config.split_attn)
         self._latest = None  # ({req_id: row}, DDTree) from the proposer's last call
         self._dirty = False
         cap = 3 * self.max_reqs + self.max_reqs * max(self.budget, 1) + 16
@@ -86,7 +82,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(cap, dtype=torch.int64, device=dev)
         # fused Triton bookkeeping (core/step.py) on CUDA; the torch path elsewhere
-        self.fused = HAS_TRITON and (torch.device(dev).type == "cuda" or interpreting())
+        self.fused = step_kernels.use_fused(dev)
         width = self.max_reqs * max(self.budget, 1)
         self._wpar = torch.zeros(width, dtype=torch.int64, device=dev)
         self._src = torch.zeros(width, dtype=torch.int64, device=dev)
@@ -154,13 +150,9 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         pack = dev[: 3 * n]
         tok_d = dev[3 * n:].view(n, width)
         with_tree = int((prev >= 0).sum())
-        fix = None
-        if self.fused:
-            parents = self._wpar[: n * width].view(n, width)
-            step_kernels.prepare(pack, n, width, tree if with_tree else None, runner.positions,
-                              self.state.has_tree, self.state.mask, parents)
-        else:
-            parents, fix = self._prepare_torch(pack, n, width, nd, prev, roots, tree)
+        parents = self._wpar[: n * width].view(n, width)
+        step_kernels.prepare(pack, n, width, tree if with_tree else None, runner.positions,
+                             self.state.has_tree, self.state.mask, parents, self.fused)
         self._dirty = True
         if self.gdn is not None:
             self.gdn.note_step()
@@ -168,35 +160,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         walk_tree = DDTree(tokens=tok_d, parents=parents, depths=None, num_nodes=pack[:n],
                            scores=None, ancestor_mask=None, position_offsets=None,
                            max_depth=max(depth, 1), max_budget=width)
-        self.step = CudaStep(nd.tolist(), walk_tree, pack, n, fix)
-
-    def _prepare_torch(self, pack, n, width, nd, prev, roots, tree):
-        """Reference of step_kernels.prepare (torch indexing; used where Triton is not)."""
-        dev = pack.device
-        st = self.state
-        has = torch.zeros(self.max_reqs, dtype=st.has_tree.dtype, device=dev)
-        has[:n] = (pack[n: 2 * n] >= 0).to(has.dtype)
-        st.has_tree.copy_(has)
-        hi = np.nonzero(prev >= 0)[0]
-        d_h = nd[hi]
-        m = int(d_h.sum())
-        fix = None
-        if m:
-            rep = np.repeat(np.arange(len(hi)), d_h)
-            j = np.arange(m, dtype=np.int64) - np.repeat(np.cumsum(d_h) - d_h, d_h)
-            t = lambda a: torch.as_tensor(a, dtype=torch.int64).to(dev)  # noqa: E731
-            tok_rows, root_rows = t(roots[hi][rep] + 1 + j), t(roots[hi][rep])
-            prev_rows, j_d = t(prev[hi][rep]), t(j)
-            pos = self.runner.positions
-            pos[tok_rows] = pos[root_rows] + tree.depths[prev_rows, j_d]
-            st.mask[t(hi)] = tree.ancestor_mask[t(prev[hi])].view(torch.int8)
-            fix = (tok_rows, root_rows, j_d)
-        chain = torch.arange(-1, width - 1, device=dev).expand(n, width)
-        if len(hi):
-            prev_d = pack[n: 2 * n]
-            par_t = tree.parents[prev_d.clamp(min=0), :width]
-            return torch.where((prev_d >= 0).unsqueeze(1), par_t, chain), fix
-        return chain, fix
+        self.step = CudaStep(nd.tolist(), walk_tree, pack)
 
     def attach(self, attn_metadata) -> None:
         """Mark the target's (causal) metadata: its layers run the tree kernel."""
@@ -273,51 +237,19 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         runner = self.runner
         if self.gdn is not None and walk is not None:  # GDN state along the path
             self.gdn.commit(walk.accepted_rows, walk.num_accepted, len(step.num_drafts))
-        if not self.fused:
-            return self._commit_torch(step, walk, aux_hidden_states)
         pack = step.pack
         n = pack.shape[0] // 3
         rows, nacc, src, dst, start, neff = step_kernels.commit_views(
             walk, n, pack.device, self._src, self._dst, self._start, self._neff)
         step_kernels.commit(pack, n, rows, nacc, runner.positions, runner.input_ids.gpu, src,
-                         dst, start, neff)
+                            dst, start, neff, self.fused)
         if walk is None:
             return
         if aux_hidden_states:  # the drafter's context: path rows first
-            step_kernels.move_rows(list(aux_hidden_states), src, dst)
+            step_kernels.move_rows(list(aux_hidden_states), src, dst, self.fused)
         block_table = runner.input_batch.block_table[self._group].get_device_tensor(n)
         compact_kv(self._target_caches(), block_table, self._block_size, start, rows, neff,
                    self._layout)
-        self._observe(step, walk)
-
-    def _commit_torch(self, step, walk, aux_hidden_states) -> None:
-        """Reference of the fused commit (torch indexing)."""
-        runner = self.runner
-        pos = runner.positions
-        if step.fix is not None:  # back to linear positions (the drafter reads them)
-            tok_rows, root_rows, j = step.fix
-            pos[tok_rows] = pos[root_rows] + j + 1
-        if walk is None:
-            return
-        rows = walk.accepted_rows.long()
-        nacc = walk.num_accepted.long()
-        roots = step.roots
-        valid = roots >= 0
-        width = rows.shape[1] - 1
-        jj = torch.arange(1, width + 1, device=rows.device)
-        ok = (jj.unsqueeze(0) <= nacc.unsqueeze(1)) & valid.unsqueeze(1)
-        src = torch.where(ok, roots.unsqueeze(1) + rows[:, 1:], 0).reshape(-1)
-        dst = torch.where(ok, roots.unsqueeze(1) + jj.unsqueeze(0), 0).reshape(-1)
-        for h in aux_hidden_states or ():
-            h[dst] = h[src]
-        ids = runner.input_ids.gpu
-        ids[dst] = ids[src]
-        caches = self._target_caches()
-        n = roots.shape[0]
-        start = pos[roots.clamp(min=0)]
-        block_table = runner.input_batch.block_table[self._group].get_device_tensor(n)
-        compact_kv(caches, block_table, self._block_size, start, rows,
-                   torch.where(valid, nacc, 0), self._layout)
         self._observe(step, walk)
 
     def _observe(self, step, walk) -> None:

@@ -8,8 +8,9 @@ import torch
 
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from .. import settings
 from ..core import build_tree
-from ..core.budget import BudgetController, CostTable, build_controlled, control_mode
+from ..core.budget import BudgetController, CostTable, build_controlled
 
 # vLLM 0.20.x: propose() has no num_speculative_tokens argument (the drafter reads
 # self.num_speculative_tokens) and the DFlash early exit calls _greedy_sample
@@ -25,17 +26,17 @@ class DDTreeProposer(DFlashProposer):
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
-        spec = vllm_config.speculative_config
-        self.ddtree_budget = spec.ddtree_budget
-        self.ddtree_depth = spec.ddtree_depth
+        cfg = self.ddtree_config = settings.of(vllm_config.speculative_config)
+        self.ddtree_budget = cfg.budget
+        self.ddtree_depth = cfg.depth
         self._ddtree_runner = runner
         self._ddtree_tokens = None
         self._ddtree_call = None
         self._ddtree_synthetic = None
-        if spec.ddtree_synthetic:
+        if cfg.synthetic:
             from ..synthetic import SyntheticDrafter
 
-            self._ddtree_synthetic = SyntheticDrafter.load(spec.ddtree_synthetic)
+            self._ddtree_synthetic = SyntheticDrafter.load(cfg.synthetic)
         if not _PROPOSE_TAKES_K:
             # the drafter runs L mask queries (its buffers were sized for B >= L)
             self.num_speculative_tokens = self.ddtree_depth
@@ -46,12 +47,13 @@ class DDTreeProposer(DFlashProposer):
         # choice's draft count is ddtree_last_budget (the runner slices its buffers)
         self.ddtree_controller = None
         self.ddtree_last_budget = self.ddtree_budget
-        if control_mode(spec) == "auto":
+        if cfg.budget_control == "auto":
             dev = torch.device(device)
             name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+            budgets = None if cfg.budgets is None else list(cfg.budgets)
             self.ddtree_controller = BudgetController(
-                CostTable.for_device(name), self.ddtree_budget, self.ddtree_depth,
-                getattr(spec, "ddtree_budgets", None), device=dev)
+                CostTable.for_device(name, cfg.cost_table), self.ddtree_budget,
+                self.ddtree_depth, budgets, device=dev)
 
     def propose(self, *args, **kwargs):
         # The runner asks for K <= B tokens (K < B: vLLM's dynamic speculative decoding,

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core import DDTree, ancestor_mask
+from .. import settings
+from ..core import DDTree, ancestor_mask, chain_depths, chain_parents
 from ..gdn.cpu import gdn_commit
 from ..stats import Stats
 
@@ -56,9 +57,9 @@ class DDTreeRuntime:
                 "DDTreeRuntime verifies trees with the CPU attention backend; CUDA "
                 "runners take cuda_runtime.CudaDDTreeRuntime (cuda_runtime.make_runtime)")
         self.runner = runner
-        spec = runner.speculative_config
-        self.budget = spec.ddtree_budget
-        self.depth = spec.ddtree_depth
+        self.config = settings.of(runner.speculative_config)
+        self.budget = self.config.budget
+        self.depth = self.config.depth
         self.trees: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.step: Step | None = None
         self.walk = None
@@ -106,8 +107,7 @@ class DDTreeRuntime:
             if stored is not None and torch.equal(stored[0][:d].to(dev), tok):
                 par, dep = stored[1][:d].to(dev), stored[2][:d].to(dev)
             else:  # no tree for these tokens: verify them as a chain (still exact)
-                par = torch.arange(-1, d - 1, device=dev)
-                dep = torch.arange(1, d + 1, device=dev)
+                par, dep = chain_parents(d, dev), chain_depths(d, dev)
             root = qsl[i + 1] - 1 - d
             root_rows.append(root)
             tokens[i, :d], parents[i, :d], depths[i, :d], num[i] = tok, par, dep, d

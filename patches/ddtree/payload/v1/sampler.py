@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from vllm.v1.outputs import SamplerOutput
 
-from ..core import DDTree, target_probs, walk_greedy, walk_sampled
+from ..core import (DDTree, chain_depths, chain_parents, target_probs, walk_greedy,
+                    walk_sampled)
 
 WALK_SEED_SALT = 0xDD7EE  # the walk's own stream, apart from the engine seed's
 
@@ -82,9 +83,8 @@ class DDTreeSampler(nn.Module):
         for i, d in enumerate(num_drafts):
             tokens[i, :d] = flat[k:k + d]
             k += d
-        ar = torch.arange(dmax, device=dev)
-        parents = (ar - 1).expand(n, dmax).clone()
-        depths = (ar + 1).expand(n, dmax).clone()
+        parents = chain_parents(dmax, dev).expand(n, dmax).clone()
+        depths = chain_depths(dmax, dev).expand(n, dmax).clone()
         num = torch.tensor(num_drafts, dtype=torch.int64, device=dev)
         return DDTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num,
                       scores=torch.zeros(n, dmax, device=dev), ancestor_mask=None,

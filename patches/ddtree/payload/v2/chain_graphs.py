@@ -8,7 +8,7 @@ DFlash's).  So the speculator captures a second set of draft graphs for those ba
 sizes only, in chain mode (DFlash's sampling, 1 + C context rows per request), and a
 chain-arm draft replays those (H200, run 10: a chain step at one request 6.72 ms vs
 DFlash's 6.71, without them 6.81; lossless under FULL graphs).  On by default;
-VLLM_DDTREE_CHAIN_GRAPHS=0 turns them off (the chain arm then replays the tree's).
+ddtree_chain_graphs=False turns them off (the chain arm then replays the tree's).
 
 The target's verify of a chain-arm step (1 + C tokens per request) needs FULL graphs of
 its own too.  vLLM captures uniform decode graphs for the query lengths its per-batch
@@ -19,23 +19,14 @@ eagerly (H200, run 11: 27-45 ms against 6.8).  ``target_query_lens`` adds 1 + C.
 
 from __future__ import annotations
 
-import os
-
 from .. import log
-
-ENV = "VLLM_DDTREE_CHAIN_GRAPHS"
-
-
-def enabled() -> bool:
-    """On unless VLLM_DDTREE_CHAIN_GRAPHS=0."""
-    return os.environ.get(ENV, "1").strip() != "0"
 
 
 def log_state(mgr) -> None:
     """One log line: what was set up for the chain arm's drafts."""
-    log(__name__, "DDTree: the chain arm's own draft graphs: %s (%s=0 turns them off)",
-        "captured for the tree batch sizes" if mgr is not None
-        else "none (no FULL draft graphs at the tree batch sizes)", ENV)
+    log(__name__, "DDTree: the chain arm's own draft graphs: %s (ddtree_chain_graphs="
+        "False turns them off)", "captured for the tree batch sizes" if mgr is not None
+        else "none (no FULL draft graphs at the tree batch sizes)")
 
 
 def target_query_lens(mgr, lens: list, sampled: int) -> list:
@@ -44,10 +35,9 @@ def target_query_lens(mgr, lens: list, sampled: int) -> list:
     the chain arm (ddtree_budget_control='auto'); the drafter's managers keep theirs."""
     from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
-    spec = mgr.vllm_config.speculative_config
-    c = getattr(spec, "ddtree_chain_budget", None) or 0
-    if not isinstance(mgr, ModelCudaGraphManager) or c < 1 or \
-            getattr(spec, "ddtree_budget_control", None) != "auto":
+    cfg = mgr.vllm_config.speculative_config.ddtree_config
+    c = cfg.chain_budget
+    if not isinstance(mgr, ModelCudaGraphManager) or c < 1 or cfg.budget_control != "auto":
         return lens
     return sorted(set(lens) | {c + sampled})
 

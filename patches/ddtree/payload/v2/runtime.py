@@ -2,7 +2,7 @@
 (vllm/v1/worker/gpu/, the default on GPU from 0.29).  One per model runner, made in
 ``load_model`` right after the rejection sampler (whose place its sampler takes).
 
-Step order, all on the GPU without host syncs (v2_step.py):
+Step order, all on the GPU without host syncs (v2/step.py, core/step.py):
   prepare()  after ``prepare_attn`` computed the slot mappings (from linear
              positions): tree rows get position = root + depth, the TreeState rows
              (has_tree, ancestor masks) come from the trees the speculator stored
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import settings
+from ..config import unsupported_parallelism
 from ..core import step as step_kernels
 from . import step as v2_step
 from ..core import DDTree, compact_kv
@@ -69,14 +71,7 @@ def check_runner(runner) -> None:
                    + " (dense decoder-only targets only)")
     elif getattr(ms, "num_new_sampled_tokens_per_step", 1) != 1:
         bad.append("a model that samples more than one token per step")
-    if par.pipeline_parallel_size > 1:
-        bad.append("pipeline parallelism")
-    if par.data_parallel_size > 1:
-        bad.append("data parallelism")
-    if par.prefill_context_parallel_size > 1 or par.decode_context_parallel_size > 1:
-        bad.append("context parallelism (PCP/DCP)")
-    if getattr(par, "use_ubatching", False):
-        bad.append("micro-batching (DBO)")
+    bad.extend(dict.fromkeys(kind for kind, _ in unsupported_parallelism(par)))
     if getattr(par, "enable_batch_sharded_sampling", False):
         bad.append("batch-sharded sampling")
     if getattr(cfg, "watermark_config", None) is not None:
@@ -97,7 +92,7 @@ def check_runner(runner) -> None:
         raise NotImplementedError(
             "method='ddtree' on vLLM's V2 model runner does not support "
             + "; ".join(bad) + ". Drop it, or run DDTree on the V1 runner "
-            "(VLLM_DDTREE_V2=0, or VLLM_USE_V2_MODEL_RUNNER=0).")
+            "(VLLM_USE_V2_MODEL_RUNNER=0).")
 
 
 def _model_states() -> tuple:
@@ -122,16 +117,16 @@ class V2DDTree:
         from .sampler import DDTreeV2Sampler
 
         self.runner = runner
-        spec = runner.speculative_config
-        self.budget = spec.ddtree_budget
+        self.config = settings.of(runner.speculative_config)
+        self.budget = self.config.budget
         self.speculator = runner.speculator
         self.chain_budget = getattr(self.speculator, "chain_budget", 0) or 0
         self.depth = self.speculator.num_speculative_steps  # L drafter positions
         self.trees = self.speculator.trees
         dev = runner.device
         self.max_reqs = runner.max_num_reqs
-        self.state = TreeState(self.max_reqs, self.budget, dev)
-        self.fused = v2_step.use_fused(dev)
+        self.state = TreeState(self.max_reqs, self.budget, dev, self.config.split_attn)
+        self.fused = step_kernels.use_fused(dev)
         self._pack = torch.zeros(3 * self.max_reqs, dtype=torch.int64, device=dev)
         self._wpar = torch.zeros(self.max_reqs * self.budget, dtype=torch.int64, device=dev)
         width = self.max_reqs * max(self.depth, 1)
@@ -171,8 +166,8 @@ class V2DDTree:
                            runner.req_states.prefill_len.gpu, self.trees.num_nodes,
                            self.fused, chain)
         parents = self._wpar[: n * self.budget].view(n, self.budget)
-        v2_step.prepare(pack, n, self.budget, self.trees, input_batch.positions,
-                        self.state.has_tree, self.state.mask, parents, self.fused)
+        step_kernels.prepare(pack, n, self.budget, self.trees, input_batch.positions,
+                             self.state.has_tree, self.state.mask, parents, self.fused)
         self._dirty = True
         if self.gdn is not None:
             self.gdn.note_step()
@@ -253,12 +248,12 @@ class V2DDTree:
         n, dev = step.n, step.pack.device
         rows, nacc, src, dst, start, neff = step_kernels.commit_views(
             walk, n, dev, self._src, self._dst, self._start, self._neff)
-        v2_step.commit(step.pack, n, rows, nacc, input_batch.positions, input_batch.input_ids,
-                       src, dst, start, neff, self.fused)
+        step_kernels.commit(step.pack, n, rows, nacc, input_batch.positions,
+                            input_batch.input_ids, src, dst, start, neff, self.fused)
         if walk is None:
             return
         hs = list(aux_hidden_states) if aux_hidden_states else [last_hidden_states]
-        v2_step.move_rows(hs, src, dst, self.fused)
+        step_kernels.move_rows(hs, src, dst, self.fused)
         tables = self.runner.block_tables
         for gid, caches in self._target_kv():
             compact_kv(caches, tables.input_block_tables[gid][:n], tables.block_sizes[gid],

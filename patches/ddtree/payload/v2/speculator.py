@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 from contextlib import contextmanager
 
 import torch
 
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from .. import log
+from .. import log, settings
 from . import chain_graphs
 from ..core import build_tree_from_topk
 from ..core.graphed import TopkTreeGraphs
@@ -39,8 +38,7 @@ from ..core.vocab_topk import vocab_topk
 from .step import SlotTrees
 
 _PROPOSE = inspect.signature(DFlashSpeculator.propose)
-BUILD_GRAPHS_ENV = "VLLM_DDTREE_BUILD_GRAPHS"
-BUILD_GRAPHS_MAX = 8  # tree batch sizes whose build is captured (env =0: none)
+BUILD_GRAPHS_MAX = 8  # tree batch sizes whose build is captured (ddtree_build_graphs)
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -51,46 +49,46 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def __init__(self, vllm_config, device):
         spec = vllm_config.speculative_config
-        self.ddtree_budget = spec.ddtree_budget
-        depth = min(spec.ddtree_depth, spec.ddtree_budget)
-        self.chain_budget = min(getattr(spec, "ddtree_chain_budget", None) or 0, depth)
+        cfg = self.ddtree_config = settings.of(spec)
+        self.ddtree_budget = cfg.budget
+        depth = min(cfg.depth, cfg.budget)
+        self.chain_budget = min(cfg.chain_budget, depth)
         # read by _num_graph_context_tokens (from DFlashSpeculator.__init__ on)
         self._budget_at = budgets_by_batch_size(spec, vllm_config.scheduler_config.max_num_seqs)
         self._max_context = max(n * (k + 1) for n, k in enumerate(self._budget_at))
         draft_spec = copy.copy(spec)
         draft_spec.num_speculative_tokens = depth
-        cfg = copy.copy(vllm_config)
-        cfg.speculative_config = draft_spec
-        super().__init__(cfg, device)
+        draft_cfg = copy.copy(vllm_config)
+        draft_cfg.speculative_config = draft_spec
+        super().__init__(draft_cfg, device)
         # model loading and attention setup see the engine's own speculative config
         self.vllm_config.speculative_config = spec
         if self.draft_logits is not None:
             raise ValueError("method='ddtree' builds its tree from the drafter's "
                              "distributions: draft_sample_method must stay 'greedy'")
-        self.topk = min(spec.ddtree_budget, self.vocab_size)
+        self.topk = min(cfg.budget, self.vocab_size)
         rows = self.max_num_reqs * depth
         self._top_vals = torch.zeros(rows, self.topk, dtype=torch.float32, device=device)
         self._top_idx = torch.zeros(rows, self.topk, dtype=torch.int64, device=device)
         self._lse = torch.zeros(rows, dtype=torch.float32, device=device)
-        self.trees = SlotTrees(self.max_num_reqs, spec.ddtree_budget, device)
+        self.trees = SlotTrees(self.max_num_reqs, cfg.budget, device)
         self._chain_at = None if not self.chain_budget else \
             [0 < k <= self.chain_budget for k in self._budget_at]
         self.runtime = None  # V2DDTree, set when the runner builds it
         # the tree-vs-chain choice (arms.py): both arms' tokens, measured on tree steps
         self.expect = None
         sizes = self.tree_sizes()
-        if getattr(spec, "ddtree_budget_control", None) == "auto" and self.chain_budget \
-                and sizes:
+        if cfg.budget_control == "auto" and self.chain_budget and sizes:
             from ..sched.paired import ArmExpect
 
-            b = spec.ddtree_budget  # smaller trees priced too (reported, not played)
+            b = cfg.budget  # smaller trees priced too (reported, not played)
             self.expect = ArmExpect(sizes, self.chain_budget, depth, self.max_num_reqs,
-                                    device, subtrees=(b // 2, b // 4))
+                                    device, subtrees=(b // 2, b // 4), channel=cfg.channel)
         self.synthetic = None
-        if spec.ddtree_synthetic:
+        if cfg.synthetic:
             from ..synthetic import SyntheticDrafter
 
-            self.synthetic = SyntheticDrafter.load(spec.ddtree_synthetic)
+            self.synthetic = SyntheticDrafter.load(cfg.synthetic)
 
     def _num_graph_context_tokens(self, num_reqs: int) -> int:
         """Context rows a captured draft step stores: a verify step has 1 + K target
@@ -146,7 +144,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         super().init_cudagraph_manager(cudagraph_mode)
         self.chain_graphs = None
-        if self.chain_budget and chain_graphs.enabled():
+        if self.chain_budget and self.ddtree_config.chain_graphs:
             self.chain_graphs = chain_graphs.make(self, self.tree_sizes())
             chain_graphs.log_state(self.chain_graphs)
 
@@ -156,13 +154,13 @@ class DDTreeSpeculator(DFlashSpeculator):
             with self._chain_arm():
                 super().capture()
         self.build_graphs = None
-        if build_graphs_on():
+        if self.ddtree_config.build_graphs:
             self.capture_builds()
 
     def capture_builds(self) -> None:
         """The tree build after each draft step replays a CUDA graph per tree batch size
         up to BUILD_GRAPHS_MAX, over the kept top-K buffers, instead of its eager
-        launches (VLLM_DDTREE_BUILD_GRAPHS=0: eager)."""
+        launches (ddtree_build_graphs=False: eager)."""
         graphs = TopkTreeGraphs(self.ddtree_budget)
         sizes = [n for n in self.tree_sizes() if n <= min(BUILD_GRAPHS_MAX, self.max_num_reqs)]
         done = []
@@ -175,8 +173,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                     "(%r): it stays eager", n, e, warn=True)
         self.build_graphs = graphs if done else None
         eager = [n for n in sizes if n not in done]  # off CUDA, or a replay not proven
-        log(__name__, "DDTree: the tree build's own graphs (%s=0 turns them off): captured "
-            "and proven for batch sizes %s; eager for %s", BUILD_GRAPHS_ENV, done, eager,
+        log(__name__, "DDTree: the tree build's own graphs (ddtree_build_graphs=False turns "
+            "them off): captured and proven for batch sizes %s; eager for %s", done, eager,
             warn=bool(eager) and self._top_vals.is_cuda)
 
     @contextmanager
@@ -263,11 +261,6 @@ class DDTreeSpeculator(DFlashSpeculator):
                 continue
             v, j, ls = vocab_topk(rows.to(vals.device), self.topk)  # key order
             vals[i], idx[i], lse[i] = v, j, ls
-
-
-def build_graphs_on() -> bool:
-    """The tree build's own graphs: on unless VLLM_DDTREE_BUILD_GRAPHS=0."""
-    return os.environ.get(BUILD_GRAPHS_ENV, "1").strip() != "0"
 
 
 def budgets_by_batch_size(spec, max_reqs: int) -> list[int]:

@@ -12,9 +12,9 @@ batch row, without a host sync:
     prefill as placeholders and rejects them).  A chain step (``chain``) verifies such
     a row's drafts as a chain: nd = its drafts, prev = roots = -1 (linear positions,
     causal attention, a chain walk, nothing to move);
-  * ``prepare`` / ``commit``: step_kernels.prepare / commit (one Triton launch each) or
-    their torch references here: tree positions, TreeState rows, walk parents; then
-    positions back to linear and the accepted path's source/destination rows;
+  * then core/step.py's ``prepare`` / ``commit`` / ``move_rows`` (one Triton launch each,
+    or their torch references there): tree positions, TreeState rows, walk parents;
+    then positions back to linear and the accepted path's source/destination rows;
   * ``verify_rows``: the logits rows of each request (root, then node k);
   * ``uniforms``: per-request seeded uniforms for the sampled walk, keyed by (seed,
     position) like V2's own sampling, so a seeded request gives the same output
@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from ..core import step as step_kernels
-from ..core._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
+from ..core._triton import HAS_TRITON, next_pow2, tl, triton
+from ..core.step import use_fused  # noqa: F401  (the runtime's choice, re-exported)
+from ..core.tree_build import chain_depths, chain_parents
 
 UNIFORM_SALT = 0x5DD7EE  # keeps the walk's stream apart from other uses of a seed
 
@@ -38,9 +39,8 @@ class SlotTrees:
     chains, so drafts verified before any tree was stored are still exact."""
 
     def __init__(self, max_reqs: int, budget: int, device):
-        ar = torch.arange(budget, device=device)
-        self.parents = (ar - 1).expand(max_reqs, budget).clone()
-        self.depths = (ar + 1).expand(max_reqs, budget).clone()
+        self.parents = chain_parents(budget, device).expand(max_reqs, budget).clone()
+        self.depths = chain_depths(budget, device).expand(max_reqs, budget).clone()
         chain = torch.ones(budget + 1, budget + 1, dtype=torch.bool, device=device).tril()
         self.ancestor_mask = chain.expand(max_reqs, -1, -1).clone()
         self.num_nodes = torch.full((max_reqs,), budget, dtype=torch.int64, device=device)
@@ -110,86 +110,6 @@ def build_pack(pack, n, cu_num_logits, query_start_loc, positions, idx_mapping, 
     return pack
 
 
-# --------------------------------------------------------------------------- prepare
-
-
-def prepare_torch(pack, n, width, trees, positions, has_tree, mask, walk_parents) -> None:
-    """Reference of step_kernels.prepare: tree rows get position = root + depth, TreeState
-    rows (has_tree, mask) come from the stored trees, the walk gets their parents
-    (a chain for rows without a tree); has_tree rows >= n are cleared."""
-    nd, prev, roots = pack[:n], pack[n: 2 * n], pack[2 * n: 3 * n]
-    tree = prev >= 0
-    p = prev.clamp(min=0)
-    has = torch.zeros_like(has_tree)
-    has[:n] = tree.to(has.dtype)
-    has_tree.copy_(has)
-    ar = torch.arange(width, device=pack.device)
-    chain = (ar - 1).expand(n, width)
-    walk_parents.copy_(torch.where(tree.unsqueeze(1), trees.parents[p, :width], chain))
-    sel = tree.unsqueeze(1) & (ar.unsqueeze(0) < nd.unsqueeze(1))
-    rows = roots.clamp(min=0).unsqueeze(1) + 1 + ar
-    new = positions[roots.clamp(min=0)].unsqueeze(1) + trees.depths[p, :width]
-    positions[rows[sel]] = new[sel]
-    r = mask.shape[1]
-    keep = mask[:n].clone()
-    keep[tree] = trees.ancestor_mask[p[tree], :r, :r].to(mask.dtype)
-    mask[:n] = keep
-
-
-def prepare(pack, n, width, trees, positions, has_tree, mask, walk_parents, fused: bool):
-    if fused:
-        step_kernels.prepare(pack, n, width, trees, positions, has_tree, mask, walk_parents)
-    else:
-        prepare_torch(pack, n, width, trees, positions, has_tree, mask, walk_parents)
-
-
-# --------------------------------------------------------------------------- commit
-
-
-def commit_torch(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff) -> None:
-    """Reference of step_kernels.commit: the first tree rows back to linear positions
-    (the kernel's block: next_pow2(W) rows, W = rows.shape[1] - 1 = the walk's depth;
-    deeper rows are never accepted, so never read as context); per request the root
-    position (start), the accepted count (neff) and the [n, W] source / destination
-    token rows of its path (-1 padded); input ids moved along the path."""
-    nd, prev, roots = pack[:n], pack[n: 2 * n], pack[2 * n: 3 * n]
-    w = rows.shape[1] - 1
-    valid = roots >= 0
-    rc = roots.clamp(min=0)
-    p0 = positions[rc]
-    bw = torch.arange(next_pow2(max(w, 1)), device=pack.device)
-    sel = (prev >= 0).unsqueeze(1) & (bw.unsqueeze(0) < nd.unsqueeze(1))
-    positions[(rc.unsqueeze(1) + 1 + bw)[sel]] = (p0.unsqueeze(1) + 1 + bw)[sel]
-    ar = bw[:w]
-    na = torch.where(valid, nacc.long(), 0)
-    start[:n] = p0
-    neff[:n] = na
-    ok = ar.unsqueeze(0) < na.unsqueeze(1)
-    s = torch.where(ok, rc.unsqueeze(1) + rows[:, 1:].long(), -1)
-    d = torch.where(ok, rc.unsqueeze(1) + 1 + ar, -1)
-    src.copy_(s)
-    dst.copy_(d)
-    input_ids[d[ok]] = input_ids[s[ok]].clone()
-
-
-def commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff, fused: bool):
-    if fused:
-        step_kernels.commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff)
-    else:
-        commit_torch(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff)
-
-
-def move_rows(hs, src, dst, fused: bool) -> None:
-    """h[dst] = h[src] along the -1-padded path rows, for every h in hs."""
-    if fused:
-        step_kernels.move_rows(list(hs), src, dst)
-        return
-    ok = src >= 0
-    s, d = src[ok], dst[ok]
-    for h in hs:
-        h[d] = h[s].clone()
-
-
 # --------------------------------------------------------------------------- sampler side
 
 
@@ -244,8 +164,3 @@ def uniforms(seeds: torch.Tensor, pos: torch.Tensor, width: int, fused: bool) ->
                                               & 0x7FFF_FFFF_FFFF_FFFF)
             out[r, k] = torch.rand((), generator=g)
     return out.to(seeds.device)
-
-
-def use_fused(device) -> bool:
-    """The Triton kernels on CUDA (or the interpreter); the torch references elsewhere."""
-    return HAS_TRITON and (torch.device(device).type == "cuda" or interpreting())
