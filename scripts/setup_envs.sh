@@ -93,7 +93,8 @@ pipi() {  # pipi VENV ARGS...: pip install, its output in $LOGS, one line about 
 # Is this checkout the one installed editable in the dev env?  (Another clone sharing
 # the env dir re-points it; then only the editable install is redone.)
 editable_here() {
-    [[ "$("$DEV/bin/python" -c 'import ddtree_patcher.patches as p, os; print(os.path.dirname(os.path.dirname(os.path.realpath(p.__file__))))' 2>/dev/null)" == "$(realpath "$REPO")" ]]
+    # from a neutral folder: in a checkout's own folder its files win over the install
+    [[ "$(cd / && "$DEV/bin/python" -c 'import ddtree_patcher.patches as p, os; print(os.path.dirname(os.path.dirname(os.path.realpath(p.__file__))))' 2>/dev/null)" == "$(realpath "$REPO")" ]]
 }
 
 setup_dev() {
