@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddtree_patcher.patches.ddtree.payload.core import build_tree  # noqa: E402
 from ddtree_patcher.patches.ddtree.payload.core.gdn_tree import (  # noqa: E402
-    conv_commit, conv_windows, gdn_gates, tree_conv1d, tree_gdn_commit, tree_gdn_verify,
+    VERIFY_BLOCKS, conv_commit, conv_windows, gdn_gates, tree_conv1d, tree_gdn_commit, tree_gdn_verify,
     tree_mask)
 
 H, HV, K, V, W = 16, 48, 128, 128, 4
@@ -196,6 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--eager", action="store_true", help="also time without CUDA graphs")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--blocks", default="",
+                    help="also time the verify kernel per launch, e.g. 16x64,16x32,32x32 "
+                         "(rows per chunk x V block; core/gdn_tree.py VERIFY_BLOCKS)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gdn_bench: needs CUDA")
@@ -208,7 +211,19 @@ def main(argv=None) -> int:
         for n in map(int, args.batches.split(",")):
             for b in map(int, args.budgets.split(",")):
                 r = {"B": b, "N": n, "graph": graph}
-                r.update(bench_tree(tree_case(n, b, gen), args.reps, graph))
+                case = tree_case(n, b, gen)
+                r.update(bench_tree(case, args.reps, graph))
+                for blk in filter(None, args.blocks.split(",")):
+                    bc, bv = map(int, blk.split("x"))
+                    old = dict(VERIFY_BLOCKS)
+                    VERIFY_BLOCKS.update(bc=bc, bv=bv)
+                    try:
+                        t = bench_tree(case, args.reps, graph)
+                        r[f"verify_{blk}_us"] = t["tree_verify_us"]
+                        r[f"verify_engine_state_{blk}_us"] = t["tree_verify_engine_state_us"]
+                    finally:
+                        VERIFY_BLOCKS.clear()
+                        VERIFY_BLOCKS.update(old)
                 if kernels is not None:
                     r["chain_k15_us"] = bench_chain(kernels, n, 16, args.reps, graph, gen)
                     r["chain_kB_us"] = bench_chain(kernels, n, b + 1, args.reps, graph, gen)

@@ -236,3 +236,22 @@ def test_triton_kernels_match_torch(kind, b):
     y_t = tree_conv1d(xs, hist, weight, bias, win, backend="torch")
     y_k = tree_conv1d(xs, hist, weight, bias, win, backend="triton")
     torch.testing.assert_close(y_k.float(), y_t.float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_triton
+@pytest.mark.parametrize("bc,bv", [(16, 16), (32, 32), (32, None)])
+def test_triton_verify_launch_blocks(bc, bv, monkeypatch):
+    """Every launch the bench sweeps (gdn_tree.VERIFY_BLOCKS) computes the same rows:
+    chunks of 16 or 32 rows (a 41-row tree: 3 / 2 chunks), V blocks of 16, 32 or 64."""
+    import ddtree_patcher.patches.ddtree.payload.core.gdn_tree as gt
+
+    monkeypatch.setitem(gt.VERIFY_BLOCKS, "bc", bc)
+    monkeypatch.setitem(gt.VERIFY_BLOCKS, "bv", bv)
+    n, h, hv, kd, vd = 2, 1, 3, 16, 80
+    parents = make_parents("ddtree", n, 40, seed=5).to(DEV)
+    x = {k: v.float().to(DEV) for k, v in make_inputs(n, 41, h, hv, kd, vd, 6).items()}
+    mask = tree_mask(parents, "torch")
+    o_t, st_t = tree_gdn_verify(**x, mask=mask, scale=0.25, backend="torch")
+    o_k, st_k = tree_gdn_verify(**x, mask=mask, scale=0.25, backend="triton")
+    torch.testing.assert_close(o_k, o_t, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(st_k.u, st_t.u, rtol=2e-5, atol=2e-5)

@@ -381,6 +381,12 @@ def _tree_conv1d_triton(x, hist, weight, bias, windows, silu):
     return y
 
 
+# the verify kernel's launch: rows per chunk (bc) and the V block of a program (bv;
+# None: min(64, V)).  bench/gpu/gdn_bench.py --blocks sweeps them (run 13: 274 us per
+# layer in the Qwen3.6-27B engine at B = 16 with the defaults, 96 programs at one request)
+VERIFY_BLOCKS = {"bc": 16, "bv": None}
+
+
 def _verify_triton(q, k, v, g, beta, h0, mask, scale, l2):
     n, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
@@ -395,11 +401,11 @@ def _verify_triton(q, k, v, g, beta, h0, mask, scale, l2):
     beta = beta.float().contiguous()
     o = torch.empty(n, t, hv, vd, dtype=torch.float32, device=q.device)
     u = torch.empty_like(o)
-    bv = min(64, next_pow2(vd))
+    bv = min(VERIFY_BLOCKS["bv"] or 64, next_pow2(vd))
     _verify_kernel[(n, hv, triton.cdiv(vd, bv))](
         q, k, v, G, beta, h0, mask.contiguous().view(torch.int8), o, u, hv, h,
-        v.stride(0), v.stride(1), v.stride(2), *h0.stride(), T=t, K=kd, V=vd, BC=16,
-        BV=bv)
+        v.stride(0), v.stride(1), v.stride(2), *h0.stride(), T=t, K=kd, V=vd,
+        BC=VERIFY_BLOCKS["bc"], BV=bv)
     return o, GDNStash(k, u, G)
 
 
