@@ -58,7 +58,7 @@ for s in ${STAGES:-install apply tests eq}; do
       grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/eq_bf16.txt" | tail -30 ;;
     bench)
       stamp gdn bench
-      timeout $(left ${T_BENCH:-200}) python3 bench/gpu/gdn_bench.py --out "$OUT/gdn_bench.json" 2>&1 | tail -30 ;;
+      timeout $(left ${T_BENCH:-200}) python3 bench/gpu/gdn_bench.py --out "$OUT/gdn_bench.json" ${GDN_BENCH_ARGS:-} 2>&1 | tail -30 ;;
   esac
 done
 stamp done
