@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from vllm.v1.sample.ops.bad_words import _apply_bad_words_single_batch
-from vllm.v1.sample.ops.penalties import apply_all_penalties
-
 
 def _penalised(p) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
@@ -49,12 +46,17 @@ def process_rows(rows: torch.Tensor, tree, reqs, prompt_ids) -> torch.Tensor:
     """rows [n, R, V] target logits per verify row; reqs[i]: (SamplingParams, output
     token ids) of batch row i (None: no request); prompt_ids: vLLM's padded prompt
     tensor (SamplingMetadata.prompt_token_ids, set whenever a request has penalties).
-    Returns float32 rows, those of requests with such features processed (a copy)."""
+    Returns ``rows`` itself when no request has such features, else a float32 copy
+    with those requests' rows processed."""
     n, r, v = rows.shape
     need = [i for i in range(n) if reqs[i] is not None and processed(reqs[i][0])]
-    out = rows.to(torch.float32, copy=True)
     if not need:
-        return out
+        return rows
+    out = rows.to(torch.float32, copy=True)
+    # vLLM's own helpers (imported here: the fast tier's stand-in vLLM has no sampler)
+    from vllm.v1.sample.ops.bad_words import _apply_bad_words_single_batch
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
     hist = {}
     for i in need:
         p, output = reqs[i]

@@ -64,7 +64,8 @@ class DDTreeSampler(nn.Module):
                 idx = idx.pin_memory().to(dev, non_blocking=True)
             rows = logits[idx.to(dev)].view(n, dmax + 1, -1)
         reqs = self._requests(n)
-        target = process_rows(rows, tree, reqs, sampling_metadata.prompt_token_ids)
+        target = process_rows(rows, tree, reqs,
+                              getattr(sampling_metadata, "prompt_token_ids", None))
         if sampling_metadata.all_greedy:
             res = walk_greedy(target.argmax(-1), tree)
         else:
@@ -78,9 +79,9 @@ class DDTreeSampler(nn.Module):
         width = min(res.output_tokens.shape[1], dmax + 1)
         out[:, :width] = res.output_tokens[:, :width].to(torch.int32)
         logprobs = None
-        if sampling_metadata.max_num_logprobs is not None:
-            logprobs = emitted_logprobs(self.sampler, rows, res, out,
-                                        sampling_metadata.max_num_logprobs)
+        k = getattr(sampling_metadata, "max_num_logprobs", None)
+        if k is not None:
+            logprobs = emitted_logprobs(self.sampler, rows, res, out, k)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
     def _requests(self, n):
