@@ -117,29 +117,31 @@ def logprob_gap(ref: list[dict], got: list[dict]) -> float:
     return worst
 
 
+def pooled(a: list, b: list, least: int = 20) -> list[list[int]]:
+    """Contingency table of two samples: one row per outcome seen >= ``least`` times in
+    both together (most frequent first), the rest pooled into a last row."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.count(k) + b.count(k)))
+    rows, other = [], [0, 0]
+    for k in keys:
+        x, y = a.count(k), b.count(k)
+        if x + y >= least:
+            rows.append([x, y])
+        else:
+            other[0] += x
+            other[1] += y
+    return rows + ([other] if sum(other) else [])
+
+
 def chi_square(ref: list[tuple], got: list[tuple]) -> tuple[float, float, int]:
     """(p of the joint, p of the repeat pattern, cells of the joint) for two samples
-    of 3-token outputs.  Joint: outcomes seen < 20 times in both together are pooled.
-    Pattern: which positions hold the same token (a function of the joint, so its
-    distribution is kept too); it is what penalties counted over the wrong tokens
-    move."""
+    of 3-token outputs (``pooled`` tables).  Pattern: which positions hold the same
+    token (a function of the joint, so its distribution is kept too); it is what
+    penalties counted over the wrong tokens move."""
     from scipy.stats import chi2_contingency
-
-    def table(a, b):
-        keys = sorted(set(a) | set(b), key=lambda k: -(a.count(k) + b.count(k)))
-        rows, other = [], [0, 0]
-        for k in keys:
-            x, y = a.count(k), b.count(k)
-            if x + y >= 20:
-                rows.append([x, y])
-            else:
-                other[0] += x
-                other[1] += y
-        return rows + ([other] if sum(other) else [])
 
     def pattern(xs):
         return [(x[0] == x[1], x[1] == x[2], x[0] == x[2]) for x in xs]
 
-    joint, pat = table(ref, got), table(pattern(ref), pattern(got))
+    joint, pat = pooled(ref, got), pooled(pattern(ref), pattern(got))
     p_pat = chi2_contingency(pat)[1] if len(pat) > 1 else 1.0
     return chi2_contingency(joint)[1], p_pat, len(joint)

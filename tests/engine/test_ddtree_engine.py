@@ -315,16 +315,7 @@ def test_sampled_ddtree_keeps_the_target_distribution(runs, name):
         return [tuple(o["token_ids"]) for o in outs]
 
     ref, got = joint(runs["patched"]["small_nospec"]), joint(runs["patched"][name])
-    keys = sorted(set(ref) | set(got), key=lambda k: -(ref.count(k) + got.count(k)))
-    table, other = [], [0, 0]
-    for k in keys:
-        a, b = ref.count(k), got.count(k)
-        if a + b >= 20:
-            table.append([a, b])
-        else:
-            other[0] += a
-            other[1] += b
-    table.append(other)
+    table = rq.pooled(ref, got)
     assert len(table) >= 5, "too few distinct outcomes for a meaningful test"
     p = chi2_contingency(table)[1]
     assert p > 0.001, (p, table)

@@ -12,7 +12,8 @@ distribution after the path that reached it.
 
 Logprobs (``logprobs=N``) of the emitted tokens come from the verify rows they were
 sampled at, raw (the default ``logprobs_mode``: vLLM's no-spec sampler and its
-rejection sampler also return the unprocessed logits' logprobs).
+rejection sampler also return the unprocessed logits' logprobs).  vLLM's sampler
+helpers are imported where they are used (the fast tier's stand-in vLLM has none).
 """
 
 from __future__ import annotations
@@ -48,51 +49,60 @@ def process_rows(rows: torch.Tensor, tree, reqs, prompt_ids) -> torch.Tensor:
     tensor (SamplingMetadata.prompt_token_ids, set whenever a request has penalties).
     Returns ``rows`` itself when no request has such features, else a float32 copy
     with those requests' rows processed."""
-    n, r, v = rows.shape
+    n, r, _ = rows.shape
     need = [i for i in range(n) if reqs[i] is not None and processed(reqs[i][0])]
     if not need:
         return rows
     out = rows.to(torch.float32, copy=True)
-    # vLLM's own helpers (imported here: the fast tier's stand-in vLLM has no sampler)
-    from vllm.v1.sample.ops.bad_words import _apply_bad_words_single_batch
-    from vllm.v1.sample.ops.penalties import apply_all_penalties
-
-    hist = {}
+    hist = {i: [list(reqs[i][1]) + path for path in node_paths(tree, i, r)] for i in need}
     for i in need:
-        p, output = reqs[i]
-        hist[i] = [list(output) + path for path in node_paths(tree, i, r)]
-        x = out[i]
-        if p.allowed_token_ids:
-            banned = torch.ones(v, dtype=torch.bool, device=x.device)
-            banned[p.allowed_token_ids] = False
-            x.masked_fill_(banned, float("-inf"))
-        if p.bad_words_token_ids:
-            for k in range(r):
-                _apply_bad_words_single_batch(x[k], p.bad_words_token_ids, hist[i][k])
-        stops = sorted(p.all_stop_token_ids) if p.min_tokens else []
-        if stops:
-            short = [k for k in range(r) if len(hist[i][k]) < p.min_tokens]
-            if short:
-                x[torch.tensor(short)[:, None], torch.tensor(stops)[None, :]] = float("-inf")
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=x.device)
-            x[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32,
-                                      device=x.device)
+        _mask_and_bias(out[i], reqs[i][0], hist[i])
     pen = [i for i in need if _penalised(reqs[i][0])]
     if pen:
-        idx = torch.tensor(pen, device=out.device)
-        x = out[idx].view(len(pen) * r, v)
-
-        def per_row(name):
-            return torch.tensor([getattr(reqs[i][0], name) for i in pen],
-                                dtype=torch.float32, device=x.device).repeat_interleave(r)
-
-        x = apply_all_penalties(x, prompt_ids[idx].repeat_interleave(r, 0),
-                                per_row("presence_penalty"), per_row("frequency_penalty"),
-                                per_row("repetition_penalty"),
-                                [h for i in pen for h in hist[i]])
-        out[idx] = x.view(len(pen), r, v)
+        _penalise(out, pen, [reqs[i][0] for i in pen], [hist[i] for i in pen], prompt_ids)
     return out
+
+
+def _mask_and_bias(x: torch.Tensor, p, hist: list[list[int]]) -> None:
+    """One request's rows x [R, V], in place: allowed_token_ids, bad_words (prefixes
+    matched against each row's history), min_tokens, logit_bias."""
+    from vllm.v1.sample.ops.bad_words import _apply_bad_words_single_batch
+
+    if p.allowed_token_ids:
+        banned = torch.ones(x.shape[1], dtype=torch.bool, device=x.device)
+        banned[p.allowed_token_ids] = False
+        x.masked_fill_(banned, float("-inf"))
+    if p.bad_words_token_ids:
+        for k, past in enumerate(hist):
+            _apply_bad_words_single_batch(x[k], p.bad_words_token_ids, past)
+    if p.min_tokens and p.all_stop_token_ids:
+        short = [k for k, past in enumerate(hist) if len(past) < p.min_tokens]
+        if short:
+            stops = torch.tensor(sorted(p.all_stop_token_ids), device=x.device)
+            x[torch.tensor(short, device=x.device)[:, None], stops[None, :]] = float("-inf")
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=x.device)
+        x[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32,
+                                  device=x.device)
+
+
+def _penalise(out: torch.Tensor, pen: list[int], params, hists, prompt_ids) -> None:
+    """Presence / frequency / repetition penalties of batch rows ``pen`` (vLLM's own
+    op), every verify row counting its own history."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    r, v = out.shape[1:]
+    idx = torch.tensor(pen, device=out.device)
+
+    def per_row(name):
+        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32,
+                            device=out.device).repeat_interleave(r)
+
+    x = apply_all_penalties(out[idx].view(len(pen) * r, v),
+                            prompt_ids[idx].repeat_interleave(r, 0),
+                            per_row("presence_penalty"), per_row("frequency_penalty"),
+                            per_row("repetition_penalty"), [h for hs in hists for h in hs])
+    out[idx] = x.view(len(pen), r, v)
 
 
 def min_p_of(reqs, n: int, device) -> torch.Tensor | None:
