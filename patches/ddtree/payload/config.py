@@ -216,7 +216,7 @@ def request_features(params) -> list[str]:
     return out
 
 
-# served per tree node on the V1 runner (v1/requests.py; tests/engine/test_requests.py)
+# served per tree node on the V1 runner (v1/requests.py; tests/engine/test_ddtree_engine.py)
 V1_SERVED = ("logprobs", "presence/frequency/repetition penalties", "bad_words",
              "logit_bias", "allowed_token_ids", "min_tokens", "min_p")
 

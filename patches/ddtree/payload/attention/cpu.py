@@ -2,7 +2,7 @@
 
 The CPU kernel takes no mask, so verify steps with a tree run here: every query row
 sees the request's whole context plus, among this step's rows, its ancestors and
-itself.  The K/V layout inside a CPU cache block depends on the ISA (K is stored
+itself (with a sliding window, only the keys inside its window: features.py).  The K/V layout inside a CPU cache block depends on the ISA (K is stored
 transposed on the plain vector ISA), so it is read off the backend's own writer
 once (``_layout``) rather than assumed.  Also the oracle for the CUDA path.
 """
