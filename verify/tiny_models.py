@@ -115,6 +115,7 @@ TARGET_DEFAULTS = dict(
     mask_token_id=None,  # default: vocab_size - 1
     bos_token_id=0,
     eos_token_id=1,
+    sliding_window=None,  # W: every layer attends the last W positions only
 )
 
 DRAFTER_DEFAULTS = dict(
@@ -157,7 +158,9 @@ def _target_config(p: dict):
         max_position_embeddings=p["max_position_embeddings"],
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        use_sliding_window=False,
+        use_sliding_window=p["sliding_window"] is not None,
+        sliding_window=p["sliding_window"],
+        max_window_layers=0,  # with a window: every layer slides
         bos_token_id=p["bos_token_id"],
         eos_token_id=p["eos_token_id"],
         pad_token_id=None,

@@ -57,10 +57,12 @@ SAMPLER = Transform(
             "attention), walk it greedily or losslessly sampled, compact the path's KV",
     reference="docs/DESIGN.md, tree verification",
     families=(Family(versions=V0_20, edits=(v0_20.SAMPLER_RUNNER_EDIT,
-                                            v0_20.FLASH_EDIT, v0_20.FLEX_EDIT)),
+                                            v0_20.FLASH_EDIT, v0_20.FLEX_EDIT,
+                                            v0_20.SAMPLING_EDIT)),
               Family(versions=V0_32, edits=(v0_32.SAMPLER_RUNNER_EDIT,
                                             v0_32.CPU_ATTN_EDIT, v0_32.FLASH_EDIT,
-                                            v0_32.TRITON_EDIT, *v2_v0_32.SAMPLER_EDITS))),
+                                            v0_32.TRITON_EDIT, v0_32.SAMPLING_EDIT,
+                                            *v2_v0_32.SAMPLER_EDITS))),
     requires=("ddtree-proposer",),
 )
 

@@ -126,7 +126,7 @@ def test_exit_codes_are_documented_once():
 # synthetic, the package's log).  VLLM: may it import vllm at all (lazily included).
 PAYLOAD_RULES = {
     "core": ({"core"}, False),
-    "attention": ({"attention", "core", "top"}, True),  # top: envs (the tuning file)
+    "attention": ({"attention", "core", "top"}, True),  # top: envs (launch table)
     "gdn": ({"gdn", "core", "top"}, True),
     "sched": ({"sched", "top"}, False),
     "v1": ({"v1", "core", "attention", "gdn", "top"}, True),

@@ -48,6 +48,7 @@ SPEC.json::
               "name": "greedy",          # unique within the config
               "prompts": [[5, 17, 42], [9, 8, 7, 6]],  # token ids, one list per prompt
               "sampling": {"temperature": 0.0, "max_tokens": 24, "ignore_eos": true},
+                                         # (or a list: one SamplingParams per prompt)
               "repeat": 1                # run the same job N times
             }
           ]
@@ -193,6 +194,17 @@ def _completion(c) -> dict:
             "finish_reason": c.finish_reason, "logprobs": lps}
 
 
+def _sampling(cls, spec):
+    """SamplingParams from a job's "sampling": one dict for every prompt, or a list of
+    dicts, one per prompt; JSON's string keys of logit_bias back to token ids."""
+    if isinstance(spec, list):
+        return [_sampling(cls, s) for s in spec]
+    kw = {**SAMPLING_DEFAULTS, **spec}
+    if kw.get("logit_bias"):
+        kw["logit_bias"] = {int(k): float(v) for k, v in kw["logit_bias"].items()}
+    return cls(**kw)
+
+
 def _worker_info(worker) -> dict:
     """Runs on the worker (collective_rpc): what the engine actually built."""
     mr = worker.model_runner
@@ -253,7 +265,7 @@ def run_one(cfg: dict, teardown: bool) -> dict:
             res["warmup_s"] = time.perf_counter() - t0
         for job in cfg.get("jobs", []):
             prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in job["prompts"]]
-            sp = SamplingParams(**{**SAMPLING_DEFAULTS, **job.get("sampling", {})})
+            sp = _sampling(SamplingParams, job.get("sampling", {}))
             runs = []
             for _ in range(int(job.get("repeat", 1))):
                 before = _snapshot(llm)

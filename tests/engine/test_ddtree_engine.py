@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import request_jobs as rq
 from helpers import ddtree_cli, run_engine_spec, snapshot
 
 pytestmark = pytest.mark.engine
@@ -24,6 +25,7 @@ LENGTHS = (3, 7, 12, 17, 23, 29, 34, 40)
 DEPTH = 3  # the tiny drafter's block_size 4 - 1
 SAMPLES = 2000
 SAMPLED_PROMPT = [5, 9, 3, 7]
+SWA_WINDOW = 3  # the sliding-window target: a depth-3 node no longer sees the root
 
 
 def _cli(*args, state: Path) -> subprocess.CompletedProcess:
@@ -66,22 +68,46 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
     jobs = [{"name": "greedy", "prompts": prompts, "sampling": greedy},
             {"name": "long", "prompts": [long_prompt],
              "sampling": {"temperature": 0.0, "max_tokens": 40}}]
+    # request features (request_jobs.py): prompts of their own per job, so that the
+    # synthetic drafters below draft their no-spec continuations
+    features = rq.feature_jobs(lambda k: engine_prompts(LENGTHS[2:6], seed=10 + k))
+    feature_plain = rq.plain_job("feature_plain", features)
+    features.append(rq.mixed_job(prompts))
+    swa = make_tiny_models(target={"sliding_window": SWA_WINDOW})
+    small10 = make_tiny_models(target=rq.SMALL)
+    small10_prompts = [_small_prompts(k) for k in range(len(rq.PENALTIES))]
+    penalties = rq.penalty_jobs(lambda k: small10_prompts[k])
+    penalty_plain = rq.plain_job("penalty_plain", penalties)
 
     def dflash(model, k):
         return {**target, "speculative_config": {"method": "dflash", "model": model,
                                                  "num_speculative_tokens": k}}
 
     stock = _run(vllm_cpu_python, {"configs": [
-        {"name": "nospec", "llm": target, "jobs": jobs},
+        {"name": "nospec", "llm": target, "jobs": jobs + features + [feature_plain]},
         {"name": "dflash", "llm": dflash(tiny_models["drafter"], DEPTH), "jobs": jobs[:1]},
+        {"name": "swa_nospec", "llm": {"model": swa["target"]}, "jobs": jobs},
+        {"name": "small10_nospec", "llm": {"model": small10["target"]},
+         "jobs": penalties + [penalty_plain, rq.sampled_mix_job()]},
     ]}, env_copy["work"], "stock")
     base = stock["nospec"]["jobs"]["greedy"]["token_ids"]
     sequences = [p + t for p, t in zip(prompts, base)]
     work = env_copy["work"]
+
+    def continuations(run, job_list):
+        return [p + t for j in job_list
+                for p, t in zip(j["prompts"], run["jobs"][j["name"]]["token_ids"])]
+
     synthetic = {}
-    for name, ranks, peak in (("perfect", [1.0], 12.0), ("mixed", [0.5, 0.3, 0.15], 4.0)):
+    for name, seqs, ranks, peak in (
+            ("perfect", sequences, [1.0], 12.0),
+            ("mixed", sequences + continuations(stock["nospec"], features[:-1]),
+             [0.5, 0.3, 0.15], 4.0),
+            ("swa", continuations(stock["swa_nospec"], jobs), [0.5, 0.3, 0.15], 4.0),
+            ("small10", continuations(stock["small10_nospec"], penalties),
+             [0.5, 0.3, 0.15], 4.0)):
         path = work / f"synthetic-{name}.json"
-        path.write_text(json.dumps({"sequences": sequences, "rank_probs": ranks,
+        path.write_text(json.dumps({"sequences": seqs, "rank_probs": ranks,
                                     "seed": 3, "peak": peak}))
         synthetic[name] = str(path)
     # a stop token that sits inside accepted paths: the first greedy token of prompt 0
@@ -90,6 +116,11 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
     stop = {"name": "stop", "prompts": prompts[:1],
             "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS,
                          "stop_token_ids": [base[0][stop_at]]}}
+    # features whose settings come from the plain output: run on the tokenizer's
+    # engines (bad words are words), the patched no-spec is their reference
+    by_output = [rq.bad_words_job(prompts[:4], base[:4]),
+                 rq.min_tokens_job(prompts[0], base[0][stop_at], stop_at)]
+    words = {"skip_tokenizer_init": False}
     # sampling: a tiny vocabulary (24) so that the joint of 3 tokens has few outcomes
     small = make_tiny_models(target={"vocab_size": 24})
     sampled = {"name": "sampled", "prompts": [SAMPLED_PROMPT],
@@ -97,19 +128,27 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
                             "ignore_eos": True}}
     small_target = {"model": small["target"]}
 
-    def ddtree(b, drafter=None, synth=None, stats=None, extra_jobs=()):
+    def ddtree(b, drafter=None, synth=None, stats=None, extra_jobs=(), model=None):
         sc = {"method": "ddtree", "model": drafter or tiny_models["drafter"],
               "num_speculative_tokens": b}
         if synth:
             sc["ddtree_synthetic"] = synthetic[synth]
-        cfg = {"llm": {**target, "speculative_config": sc}, "jobs": jobs + list(extra_jobs)}
+        cfg = {"llm": {**(model or target), "speculative_config": sc},
+               "jobs": jobs + list(extra_jobs)}
         if stats:
             cfg["env"] = {"VLLM_DDTREE_STATS_FILE": str(work / f"stats-{stats}.json")}
         return cfg
 
     random_drafter = make_drafter(kind="random")
+    mixed = ddtree(8, synth="mixed", stats="b8_mixed", extra_jobs=features + by_output)
+    mixed["llm"].update(words)
+    swa_b8 = ddtree(8, drafter=swa["drafter"], synth="swa", stats="swa_b8",
+                    model={"model": swa["target"]})
+    small10_b8 = ddtree(8, drafter=small10["drafter"], synth="small10", stats="small10_b8",
+                        model={"model": small10["target"]})
+    small10_b8["jobs"] = penalties + [rq.sampled_mix_job()]
     patched = _run(env_copy["python"], {"configs": [
-        {"name": "nospec", "llm": target, "jobs": jobs + [stop]},
+        {"name": "nospec", "llm": {**target, **words}, "jobs": jobs + [stop] + by_output},
         {"name": "small_nospec", "llm": small_target, "jobs": [sampled]},
         {"name": "small_b8", "jobs": [sampled],
          "env": {"VLLM_DDTREE_STATS_FILE": str(work / "stats-small_b8.json")},
@@ -125,16 +164,27 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
         {"name": "b8_random", **ddtree(8, drafter=random_drafter, stats="b8_random")},
         {"name": "b24_perfect", **ddtree(24, synth="perfect", stats="b24_perfect",
                                          extra_jobs=[stop])},
-        {"name": "b8_mixed", **ddtree(8, synth="mixed", stats="b8_mixed")},
+        {"name": "b8_mixed", **mixed},
         {"name": "b8_auto", **_auto(ddtree(8, synth="mixed", stats="b8_auto"), work)},
         {"name": "b8_per_batch", **_per_batch(ddtree(8, synth="mixed", stats="b8_per_batch"))},
+        {"name": "swa_b8", **swa_b8},
+        {"name": "small10_b8", **small10_b8},
     ]}, work, "patched")
     stats = {}
     for name in ("b2", "b8_random", "b24_perfect", "b8_mixed", "b8_auto", "small_b8",
-                 "b8_per_batch", "small_b8_per_batch"):
+                 "b8_per_batch", "small_b8_per_batch", "swa_b8", "small10_b8"):
         stats[name] = json.loads((work / f"stats-{name}.json").read_text())
     return {"stock": stock, "patched": patched, "stats": stats, "prompts": prompts,
-            "stop_at": stop_at}
+            "stop_at": stop_at, "jobs": {j["name"]: j for j in features + penalties
+                                         + [feature_plain, penalty_plain]}}
+
+
+def _small_prompts(seed: int) -> list[list[int]]:
+    """Prompts for the small target (ids 2..8: not bos, eos or its mask token 9)."""
+    import random
+
+    rng = random.Random(100 + seed)
+    return [[rng.randrange(2, 9) for _ in range(n)] for n in (5, 7, 9, 11, 13, 15)]
 
 
 # a step-cost table for the budget controller: trees cost nothing extra for one request,
@@ -265,16 +315,7 @@ def test_sampled_ddtree_keeps_the_target_distribution(runs, name):
         return [tuple(o["token_ids"]) for o in outs]
 
     ref, got = joint(runs["patched"]["small_nospec"]), joint(runs["patched"][name])
-    keys = sorted(set(ref) | set(got), key=lambda k: -(ref.count(k) + got.count(k)))
-    table, other = [], [0, 0]
-    for k in keys:
-        a, b = ref.count(k), got.count(k)
-        if a + b >= 20:
-            table.append([a, b])
-        else:
-            other[0] += a
-            other[1] += b
-    table.append(other)
+    table = rq.pooled(ref, got)
     assert len(table) >= 5, "too few distinct outcomes for a meaningful test"
     p = chi2_contingency(table)[1]
     assert p > 0.001, (p, table)
@@ -294,21 +335,123 @@ def test_stock_paths_untouched(runs):
                                                                 "long")
 
 
+@pytest.mark.parametrize("job", [j["name"] for j in rq.feature_jobs(lambda k: [])]
+                         + ["feature_mixed"])
+def test_request_features_equal_nospec(runs, job):
+    """Penalties, allowed tokens, logit bias and logprobs per tree node, alone and mixed
+    in one batch (next to a plain request): token for token the no-spec output, which
+    each feature changes; logprobs within 1e-4 (fp32) with the same top-N ids."""
+    ref = rq.outputs(runs["stock"]["nospec"], job)
+    got = rq.outputs(runs["patched"]["b8_mixed"], job)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
+    if job == "feature_mixed":
+        plain = runs["stock"]["nospec"]["jobs"]["greedy"]["token_ids"]
+        assert all(ref[i]["token_ids"] != plain[i] for i in (1, 2, 4)), "features no-ops"
+        assert rq.logprob_gap(ref[3:4], got[3:4]) < 1e-4
+        assert got[0]["logprobs"] is None and got[3]["logprobs"][0]
+    elif job == "feature_logprobs":
+        assert rq.logprob_gap(ref, got) < 1e-4
+        assert all(len(step) >= 3 for o in got for step in o["logprobs"])
+    else:  # the same prompts without the feature: another output
+        jobs = runs["jobs"]
+        assert rq.changed(runs["stock"]["nospec"], jobs[job], jobs["feature_plain"]) >= 2
+        m = runs["patched"]["b8_mixed"]["jobs"][job]["metrics"]
+        assert m["num_accepted_tokens"] > 0
+    s = runs["stats"]["b8_mixed"]
+    assert s["accepted_per_depth"].get(str(DEPTH), 0) > 0
+
+
+@pytest.mark.parametrize("job", ["feature_bad_words", "feature_min_tokens"])
+def test_features_set_from_the_output(runs, job):
+    """bad_words (one-token and two-token words taken from the plain output) and
+    min_tokens past the step where a stop token is first emitted: DDTree equals no-spec,
+    and both differ from the plain output."""
+    ref = rq.outputs(runs["patched"]["nospec"], job)
+    got = rq.outputs(runs["patched"]["b8_mixed"], job)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
+    plain = runs["stock"]["nospec"]["jobs"]["greedy"]["token_ids"]
+    assert all(o["token_ids"] != p[: len(o["token_ids"])] for o, p in zip(ref, plain))
+    if job == "feature_min_tokens":  # the stop token no longer ends it at stop_at
+        assert len(ref[0]["token_ids"]) > runs["stop_at"] + 1
+
+
+@pytest.mark.parametrize("job", [f"penalty_{k}" for k in rq.PENALTIES])
+def test_penalties_count_each_nodes_path(runs, job):
+    """The small target (vocab 10) often wants to repeat a token of the node's own path:
+    presence / frequency / repetition penalties (also < 1, which favour repeats) must
+    count it.  DDTree (synthetic drafter: deep paths, accepts through siblings) equals
+    no-spec token for token; the penalty changes the no-spec output.  (Counting only
+    the committed output, the path left out, fails the presence, frequency and
+    combined jobs.)"""
+    ref = runs["stock"]["small10_nospec"]["jobs"][job]["token_ids"]
+    got = runs["patched"]["small10_b8"]["jobs"][job]["token_ids"]
+    assert got == ref, _first_diff(ref, got)
+    jobs = runs["jobs"]
+    assert rq.changed(runs["stock"]["small10_nospec"], jobs[job], jobs["penalty_plain"]) >= 1
+    s = runs["stats"]["small10_b8"]
+    assert s["accepted_per_depth"].get(str(DEPTH), 0) > 0 and s["accepted_non_first_child"] > 0
+
+
+def test_sampled_penalties_and_min_p_keep_the_distribution(runs):
+    """T = 1 on the small target, one batch: penalties next to min_p next to a plain
+    request, 2000 samples of 3 tokens each.  The joint distribution and the repeat
+    pattern (which positions hold the same token) match no-spec.  (Counting penalties
+    over the committed output only: pattern p 1e-4; skipping min_p: joint p 1e-130.)"""
+    ref_run = runs["stock"]["small10_nospec"]["jobs"]["sampled_mix"]["runs"][0]["outputs"]
+    got_run = runs["patched"]["small10_b8"]["jobs"]["sampled_mix"]["runs"][0]["outputs"]
+    found = []
+    for i, (prompt, extra) in enumerate(rq.SAMPLED_MIX):
+        ref = [tuple(o["token_ids"]) for o in ref_run[i]]
+        got = [tuple(o["token_ids"]) for o in got_run[i]]
+        assert len(ref) == len(got) == rq.SAMPLES
+        found.append((extra, *rq.chi_square(ref, got)))
+    assert all(cells >= 5 for *_, cells in found), found
+    assert all(pj > 0.001 and pp > 0.001 for _, pj, pp, _ in found), found
+    s = runs["stats"]["small10_b8"]
+    assert s["accepted_non_first_child"] > 0 and s["accepted_per_depth"].get("2", 0) > 0
+
+
+def test_sliding_window_target(runs):
+    """A target whose every layer slides over 3 positions (tiny Qwen3,
+    use_sliding_window): served, token for token the no-spec output, with paths of
+    depth 3 accepted (a depth-3 node's window no longer holds the root) and the long
+    prompt (the sliding-window KV manager frees blocks out of the window).  (Tree
+    attention without the window, or with it on the context only, differs on every
+    prompt.)"""
+    ref, got = runs["stock"]["swa_nospec"], runs["patched"]["swa_b8"]
+    for job in ("greedy", "long"):
+        assert _tokens(got, job) == _tokens(ref, job), _first_diff(_tokens(ref, job),
+                                                                  _tokens(got, job))
+    s = runs["stats"]["swa_b8"]
+    assert s["accepted_per_depth"].get(str(DEPTH), 0) > 5, s
+
+
 def test_refused_features(env_copy, tiny_models, runs):
-    """Unsupported sampling features are refused per request, with a clear message."""
+    """What DDTree does not serve is refused: a request feature per request, with a
+    clear message (the engine keeps serving); a target attention feature (here a
+    quantised KV cache) when the engine is built, not at the first request."""
     out = env_copy["work"] / "refused.out.json"
-    spec = {"configs": [{"name": "refuse", "llm": {
-        "model": tiny_models["target"], "speculative_config": {
-            "method": "ddtree", "model": tiny_models["drafter"],
-            "num_speculative_tokens": 4}},
-        "jobs": [{"name": "logprobs", "prompts": [[5, 6, 7]],
-                  "sampling": {"temperature": 0.0, "max_tokens": 4, "logprobs": 2}}]}]}
+    ddtree = {"method": "ddtree", "model": tiny_models["drafter"],
+              "num_speculative_tokens": 4}
+    spec = {"configs": [
+        {"name": "refuse", "llm": {"model": tiny_models["target"],
+                                   "speculative_config": ddtree},
+         "jobs": [{"name": "token_ids", "prompts": [[5, 6, 7]],
+                   "sampling": {"temperature": 0.0, "max_tokens": 4,
+                                "logprob_token_ids": [5, 6]}}]},
+        {"name": "fp8", "isolate": True, "jobs": [],
+         "llm": {"model": tiny_models["target"], "kv_cache_dtype": "fp8",
+                 "speculative_config": ddtree}}]}
     (env_copy["work"] / "refused.spec.json").write_text(json.dumps(spec))
     subprocess.run([env_copy["python"], str(HERE / "engine_runner.py"),
                     str(env_copy["work"] / "refused.spec.json"), str(out)],
                    capture_output=True, text=True)
-    r = json.loads(out.read_text())["configs"]["refuse"]
-    assert not r["ok"] and "does not support logprobs" in (r["error"] or "")
+    res = json.loads(out.read_text())["configs"]
+    r = res["refuse"]
+    assert not r["ok"] and "does not support logprob_token_ids" in (r["error"] or "")
+    r = res["fp8"]
+    assert not r["ok"] and "startup_s" not in r, r["error"]
+    assert "does not support a quantised KV cache (fp8)" in r["error"], r["error"]
 
 
 def test_revert_leaves_no_trace(env_copy, runs):

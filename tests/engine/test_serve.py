@@ -191,9 +191,10 @@ def _workload(prompts: list[list[int]]) -> dict[str, tuple[str, dict]]:
 def _answer(path: str, body: dict, status: int, res) -> dict:
     """What must match across servers: text, token ids, finish reason."""
     assert status == 200, res
-    if body.get("stream"):
+    if body.get("stream"):  # completion chunks carry text, chat chunks a delta
         choices = [c for chunk in res for c in chunk["choices"]]
-        return {"text": "".join(c["text"] for c in choices),
+        return {"text": "".join(c.get("text") or (c.get("delta") or {}).get("content")
+                                or "" for c in choices),
                 "token_ids": [t for c in choices for t in c.get("token_ids") or []],
                 "finish_reason": choices[-1]["finish_reason"], "chunks": len(res)}
     c = res["choices"][0]
@@ -319,8 +320,10 @@ def test_method_is_named_ddtree(served, servers):
 
 
 @pytest.mark.parametrize("path,extra,why", [
-    ("/v1/completions", {"logprobs": 2}, "does not support logprobs"),
-    ("/v1/chat/completions", {"presence_penalty": 0.5}, "penalties"),
+    ("/v1/completions", {"logprobs": 1, "logprob_token_ids": [5, 6]},
+     "does not support logprob_token_ids"),
+    ("/v1/chat/completions", {"logprobs": True, "logprob_token_ids": [5, 6]},
+     "does not support logprob_token_ids"),
 ])
 def test_unsupported_features_are_http_400(served, servers, path, extra, why):
     key = "completion0" if "chat" not in path else "chat0"
@@ -334,6 +337,89 @@ def test_unsupported_features_are_http_400(served, servers, path, extra, why):
     again = _answer(path, served["work"][key][1],
                     *servers["ddtree"].post(path, served["work"][key][1]))
     assert again == served["res"][("ddtree", key)]
+
+
+# Request features DDTree serves per tree node (V1): logprobs (completions: logprobs=N;
+# chat: logprobs + top_logprobs; both streamed too) and the sampling features
+FEATURES = {
+    "completion_logprobs": ("/v1/completions", 0, {"logprobs": 3, "max_tokens": 16}),
+    "completion_logprobs_stream": ("/v1/completions", 1, {"logprobs": 2, "max_tokens": 16,
+                                                          "stream": True}),
+    "chat_logprobs": ("/v1/chat/completions", 2, {"logprobs": True, "top_logprobs": 3,
+                                                  "max_tokens": 12}),
+    "chat_logprobs_stream": ("/v1/chat/completions", 3, {
+        "logprobs": True, "top_logprobs": 2, "max_tokens": 12, "stream": True}),
+    "chat_penalties": ("/v1/chat/completions", 4, {
+        "presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3,
+        "max_tokens": 16}),
+    "completion_sampling_features": ("/v1/completions", 5, {
+        "logit_bias": {str(t): 30.0 for t in range(100, 140)}, "min_p": 0.2,
+        "allowed_token_ids": list(range(2, 300)), "min_tokens": 4, "max_tokens": 16}),
+}
+
+
+def _logprobs(path: str, body: dict, res) -> list[tuple[str, float, dict]]:
+    """(token, logprob, {top token: logprob}) per emitted token, from a completion or
+    chat answer, streamed or not."""
+    choices = [c for chunk in res for c in chunk["choices"]] if body.get("stream") \
+        else res["choices"]
+    out = []
+    for c in choices:
+        lp = c.get("logprobs")
+        if not lp:
+            continue
+        if "chat" in path:
+            out += [(e["token"], e["logprob"],
+                     {t["token"]: t["logprob"] for t in e["top_logprobs"]})
+                    for e in lp["content"]]
+        else:
+            out += list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def feature_answers(servers, engine_prompts):
+    prompts = engine_prompts((6, 11, 19, 25, 8, 30), seed=23)
+    greedy = {"model": "tiny", "temperature": 0.0, "ignore_eos": True,
+              "return_token_ids": True}
+    calls, work = {}, {}
+    for key, (path, i, extra) in FEATURES.items():
+        body = {**greedy, **extra}
+        if "chat" in path:
+            body["messages"] = [{"role": "user", "content": _words(prompts[i])}]
+        else:
+            body["prompt"] = _words(prompts[i])
+        work[key] = (path, body)
+        for name in ("nospec", "ddtree"):
+            calls[(name, key)] = (servers[name], path, body)
+    raw = {}
+
+    def one(key, server, path, body):
+        raw[key] = server.post(path, body)
+
+    threads = [threading.Thread(target=one, args=(k, *v)) for k, v in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT_S + 30)
+    return work, raw
+
+
+@pytest.mark.parametrize("key", list(FEATURES))
+def test_request_features_like_nospec(feature_answers, key):
+    """Logprobs (sampled token and top-N, streamed or not) and penalties / logit_bias /
+    min_p / allowed tokens / min_tokens through the server: the no-spec server's text,
+    tokens and (within 1e-4) logprobs."""
+    work, raw = feature_answers
+    path, body = work[key]
+    a, b = (_answer(path, body, *raw[(name, key)]) for name in ("nospec", "ddtree"))
+    a.pop("chunks", None), b.pop("chunks", None)
+    assert b == a
+    la, lb = (_logprobs(path, body, raw[(name, key)][1]) for name in ("nospec", "ddtree"))
+    assert len(la) == len(lb) == (body["max_tokens"] if "logprobs" in body else 0)
+    for (ta, va, topa), (tb, vb, topb) in zip(la, lb):
+        assert ta == tb and abs(va - vb) < 1e-4 and set(topa) == set(topb), (ta, tb)
+        assert max(abs(topa[t] - topb[t]) for t in topa) < 1e-4
 
 
 def test_readme_serve_line_matches(servers):

@@ -159,3 +159,36 @@ def test_keys_need_method_ddtree():
             cfg.ddtree_pre_init(s)
     with pytest.raises(ValueError, match="ddtree_config is set by DDTree itself"):
         cfg.ddtree_pre_init(SimpleNamespace(method="ddtree", ddtree_config=object()))
+
+
+def _params(**kw):
+    plain = dict(logprobs=None, presence_penalty=0.0, frequency_penalty=0.0,
+                 repetition_penalty=1.0, bad_words=None, logit_bias=None,
+                 allowed_token_ids=None, min_tokens=0, min_p=0.0, structured_outputs=None,
+                 thinking_token_budget=None, logprob_token_ids=None)
+    return SimpleNamespace(**{**plain, **kw})
+
+
+def test_request_features_by_runner():
+    """V1 serves logprobs, penalties, bad words, logit bias, allowed tokens, min_tokens
+    and min_p per tree node; V2 (and an engine it cannot tell) refuses them all, each
+    by name; structured outputs, thinking budgets and logprob_token_ids stay refused."""
+    config = payload_module("config")
+    v1, v2 = (SimpleNamespace(ddtree_config=build(v)) for v in (False, True))
+    served = dict(logprobs=2, presence_penalty=0.5, repetition_penalty=1.2,
+                  bad_words=["w5"], logit_bias={5: 1.0}, allowed_token_ids=[5],
+                  min_tokens=3, min_p=0.1)
+    for key, value in served.items():
+        config.validate_request(_params(**{key: value}), v1)
+        for spec_ in (v2, None):
+            with pytest.raises(ValueError, match="V2 model runner") as e:
+                config.validate_request(_params(**{key: value}), spec_)
+            assert key.split("_")[0] in str(e.value)
+    for key, value in dict(structured_outputs=object(), thinking_token_budget=5,
+                           logprob_token_ids=[5]).items():
+        for spec_ in (v1, v2):
+            with pytest.raises(ValueError, match=key.replace("_", ".")):
+                config.validate_request(_params(**{key: value}), spec_)
+    with pytest.raises(ValueError, match="logprobs=-1"):
+        config.validate_request(_params(logprobs=-1), v1)
+    config.validate_request(_params(), v2)  # plain sampling everywhere

@@ -137,10 +137,29 @@ def test_matches_single_kernel_and_refuses_what_it_cannot_do():
               case["has_tree"], case["mask"], case["scale"], mq, case["num_kv_heads"])
     out, ref = check(case, mq, dtype, "triton")
     assert (out.double() - single.double()).abs().max().item() <= 2 * TOL[dtype]
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        run_split(case, mq, "triton", sliding_window=(127, 0))
+    with pytest.raises(NotImplementedError, match="sliding window needs prefix='triton'"):
+        run_split(case, mq, "torch", sliding_window=4)
     with pytest.raises(NotImplementedError, match="softcap"):
         run_split(case, mq, "triton", softcap=30.0)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sliding_window(window, splits):
+    """Windowed rows (tree rows at root + depth, deep trees): the Triton prefix (unsplit
+    and split) and the tree part against the fp32 oracle of the single kernel."""
+    from ddtree_patcher.patches.ddtree.reference.tree_attention import \
+        reference_tree_attention
+
+    case, mq = make_case(DEV, torch.float32, [9, 5, 9, 1, 6], [20, 2, 0, 7, 40],
+                         [True, True, False, False, True], hq=4, hkv=2, d=16, budget=8,
+                         seed=window, deep=True)
+    ref = reference_tree_attention(**case, window=window)
+    out = run_split(case, mq, "triton", sliding_window=window, prefix_splits=splits,
+                    tree_kw=dict(block_q=3, block_n=16))
+    n = int(case["query_start_loc"][-1])
+    assert (out[:n].float() - ref[:n]).abs().max().item() <= TOL[torch.float32]
+    assert (reference_tree_attention(**case) - ref).abs().max() > 1e-2
 
 
 def test_merge_keeps_prefix_only_rows_exact():

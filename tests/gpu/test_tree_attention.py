@@ -13,16 +13,18 @@ from .conftest import HAS_CUDA, device, payload_module
 TOL = {torch.bfloat16: 8e-3, torch.float16: 4e-3, torch.float32: 2e-5}
 
 
-def random_parents(n_nodes: int, gen) -> torch.Tensor:
-    """Parents in pop order (parent index < node index, -1 = child of the root)."""
+def random_parents(n_nodes: int, gen, deep: bool = False) -> torch.Tensor:
+    """Parents in pop order (parent index < node index, -1 = child of the root); deep:
+    each node hangs off one of the two nodes before it (depths near the node count)."""
     par = torch.empty(n_nodes, dtype=torch.int64)
     for i in range(n_nodes):
-        par[i] = torch.randint(-1, i, (1,), generator=gen).item() if i else -1
+        lo = max(-1, i - 2) if deep else -1
+        par[i] = torch.randint(lo, i, (1,), generator=gen).item() if i else -1
     return par
 
 
 def make_case(dev, dtype, q_lens, ctx_lens, trees, hq=8, hkv=2, d=64, bs=16, budget=None,
-              seed=0):
+              seed=0, deep=False):
     gen = torch.Generator().manual_seed(seed)
     core = payload_module("core")
     n = len(q_lens)
@@ -46,7 +48,7 @@ def make_case(dev, dtype, q_lens, ctx_lens, trees, hq=8, hkv=2, d=64, bs=16, bud
     mask = torch.zeros(n + 2, rows, rows, dtype=torch.int8)
     for r, tree in enumerate(trees):
         if tree:
-            par = random_parents(q_lens[r] - 1, gen)
+            par = random_parents(q_lens[r] - 1, gen, deep and r % 2 == 0)
             full = torch.full((1, budget), -1, dtype=torch.int64)
             full[0, : len(par)] = par
             am = core.ancestor_mask(full, max(budget, 1), backend="torch")[0]
@@ -59,15 +61,15 @@ def make_case(dev, dtype, q_lens, ctx_lens, trees, hq=8, hkv=2, d=64, bs=16, bud
                 scale=d ** -0.5, num_kv_heads=hkv), max(q_lens)
 
 
-def check(case, max_q, dtype, splits=(None, 1, 3)):
+def check(case, max_q, dtype, splits=(None, 1, 3), window=None):
     ca = payload_module("attention.triton_tree")
-    ref = reference_tree_attention(**case)
+    ref = reference_tree_attention(**case, window=window)
     for sp in splits:  # auto, one program per query block, keys split over 3
         out = torch.full_like(case["query"], float("nan"))
         ca.launch(case["query"], case["key_cache"], case["value_cache"], out,
                   case["block_table"], case["seq_lens"], case["query_start_loc"],
                   case["has_tree"], case["mask"], case["scale"], max_q,
-                  case["num_kv_heads"], splits=sp)
+                  case["num_kv_heads"], splits=sp, window=window)
         assert not torch.isnan(out).any()
         err = (out.float() - ref).abs().max().item()
         assert err <= TOL[dtype], (sp, err)
@@ -85,6 +87,44 @@ def test_trees_and_causal_rows(dtype):
     trees = [True, True, False, False] if small else [True, True, False, False, True]
     case, mq = make_case(dev, dtype, q_lens, ctx, trees, budget=max(q_lens) - 1)
     check(case, mq, dtype)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_sliding_window(window):
+    """A sliding window W: every row sees keys at positions >= its own - W + 1, tree
+    rows at root + depth (random trees reach depth > W: ancestors drop out too), the
+    context cut for long contexts and whole for short ones; causal rows as usual."""
+    dev = device()
+    small = dev == "cpu"
+    q_lens = [9, 5, 9, 1] if small else [65, 17, 65, 1, 40]
+    ctx = [20, 2, 0, 7] if small else [512, 3, 0, 100, 33]
+    trees = [True, True, False, False] if small else [True, True, False, False, True]
+    case, mq = make_case(dev, torch.float32, q_lens, ctx, trees, budget=max(q_lens) - 1,
+                         seed=window, deep=True)
+    out, ref = check(case, mq, torch.float32, window=window)
+    full = reference_tree_attention(**case)
+    assert (full - ref).abs().max() > 1e-2  # the window changed the answer
+
+
+def test_window_on_a_chain_is_the_causal_window():
+    """A chain's tree positions are the linear ones: the windowed tree kernel over a
+    chain mask equals the windowed causal rows (an oracle independent of depths)."""
+    dev = device()
+    core = payload_module("core")
+    ca = payload_module("attention.triton_tree")
+    n_nodes = 8 if dev == "cpu" else 64
+    case, mq = make_case(dev, torch.float32, [n_nodes + 1], [13], [False])
+    outs = []
+    for has in (0, 1):
+        chain = torch.arange(-1, n_nodes - 1).view(1, -1)
+        case["mask"][0] = core.ancestor_mask(chain, n_nodes, backend="torch")[0].to(torch.int8)
+        case["has_tree"][0] = has
+        outs.append(torch.zeros_like(case["query"]))
+        ca.launch(case["query"], case["key_cache"], case["value_cache"], outs[-1],
+                  case["block_table"], case["seq_lens"], case["query_start_loc"],
+                  case["has_tree"], case["mask"], case["scale"], mq, case["num_kv_heads"],
+                  window=3)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_gqa_shapes_qwen3_8b():

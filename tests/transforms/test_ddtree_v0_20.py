@@ -45,7 +45,10 @@ def test_hooks_on_real_files(pristine, version):
     site = pristine("vllm", version)
     srcs = patched_sources(site, version)
     assert set(srcs) == {v0_20.SPEC, v0_20.VLLM, v0_20.RUNNER, v0_20.INPUT, v0_20.FLASH,
-                         v0_20.FLEX, v0_32.METRICS}
+                         v0_20.FLEX, v0_32.METRICS, v0_32.SAMPLING}
+    assert "validate_request(params, self.speculative_config)" in srcs[v0_20.INPUT]
+    check = function_code(srcs[v0_32.SAMPLING], "SamplingParams._validate_spec_decode")
+    assert "return  # DDTree checks its request features itself" in check
     runner = srcs[v0_20.RUNNER]
     init = function_code(runner, "GPUModelRunner.__init__")
     assert "DDTreeProposer(self.vllm_config, self.device, self)" in init

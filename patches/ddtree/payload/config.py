@@ -196,35 +196,44 @@ class DDTreeRequestError(*_BASES):
     the message (its request path turns a plain ValueError into a bare HTTP 500)."""
 
 
-def validate_request(params) -> None:
-    """Sampling features the tree sampler does not implement are refused per request
-    (instead of silently ignoring them, which would change the output)."""
-    bad = []
+def request_features(params) -> list[str]:
+    """The request features of ``params`` beyond plain sampling, by name."""
+    out = []
     if params.logprobs is not None:
-        bad.append("logprobs")
+        out.append("logprobs")
     if params.presence_penalty or params.frequency_penalty or \
             params.repetition_penalty != 1.0:
-        bad.append("presence/frequency/repetition penalties")
-    if getattr(params, "bad_words", None):
-        bad.append("bad_words")
-    if getattr(params, "logit_bias", None):
-        bad.append("logit_bias")
-    if getattr(params, "allowed_token_ids", None):
-        bad.append("allowed_token_ids")
-    if getattr(params, "min_tokens", 0):
-        bad.append("min_tokens")
-    if getattr(params, "min_p", 0.0):
-        bad.append("min_p")
+        out.append("presence/frequency/repetition penalties")
+    for name in ("bad_words", "logit_bias", "allowed_token_ids", "min_tokens", "min_p"):
+        if getattr(params, name, None):
+            out.append(name)
     if getattr(params, "structured_outputs", None) is not None:
-        bad.append("structured outputs")
+        out.append("structured outputs")
     if getattr(params, "thinking_token_budget", None) is not None:
-        bad.append("thinking_token_budget")
+        out.append("thinking_token_budget")
     if getattr(params, "logprob_token_ids", None):
-        bad.append("logprob_token_ids")
+        out.append("logprob_token_ids")
+    return out
+
+
+# served per tree node on the V1 runner (v1/requests.py; tests/engine/test_ddtree_engine.py)
+V1_SERVED = ("logprobs", "presence/frequency/repetition penalties", "bad_words",
+             "logit_bias", "allowed_token_ids", "min_tokens", "min_p")
+
+
+def validate_request(params, spec=None) -> None:
+    """Request features the tree sampler does not serve on this engine's runner are
+    refused per request (instead of silently ignoring them, which would change the
+    output).  ``spec``: the engine's SpeculativeConfig (None: refuse as on V2)."""
+    v1 = spec is not None and not settings.of(spec).v2
+    bad = [f for f in request_features(params) if not (v1 and f in V1_SERVED)]
+    if v1 and params.logprobs is not None and params.logprobs < 0:
+        bad.append("logprobs=-1 (the whole vocabulary)")
     if bad:
+        runner = "the V1 runner" if v1 else "vLLM's V2 model runner"
         raise DDTreeRequestError("speculative method 'ddtree' does not support "
-                                 + ", ".join(bad) + " yet; drop them or serve without "
-                                 "DDTree")
+                                 + ", ".join(bad) + f" on {runner} yet; drop them or "
+                                 "serve without DDTree")
 
 
 def ddtree_metrics_info(stat_logger, vllm_config) -> None:
@@ -257,6 +266,8 @@ def ddtree_vllm_config(vllm_config) -> None:
         sched.async_scheduling = False
     refuse_parallelism(vllm_config.parallel_config)
     refuse_recurrent_target(vllm_config)
+    if not _uses_v2(vllm_config):  # V2 refuses logprobs per request
+        refuse_processed_logprobs(vllm_config.model_config)
     spec = getattr(vllm_config, "speculative_config", None)
     default_batch_policy(vllm_config, spec)
     if settings.enabled(spec):
@@ -266,6 +277,16 @@ def ddtree_vllm_config(vllm_config) -> None:
         # settings keep their object, whose channel the scheduler and worker may hold
         if getattr(spec, "ddtree_config", None) != cfg:
             spec.ddtree_config = cfg
+
+
+def refuse_processed_logprobs(model_config) -> None:
+    """The tree sampler returns the raw logprobs of the emitted tokens (vLLM's default
+    logprobs_mode); processed ones are refused when the engine is built."""
+    mode = getattr(model_config, "logprobs_mode", "raw_logprobs")
+    if mode not in ("raw_logprobs", "raw_logits"):
+        raise ValueError(f"method='ddtree' returns raw logprobs: logprobs_mode={mode!r} "
+                         "is not supported yet; use 'raw_logprobs' (the default) or "
+                         "'raw_logits'")
 
 
 def unsupported_parallelism(par) -> list[tuple[str, str]]:

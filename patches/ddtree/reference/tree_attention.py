@@ -8,8 +8,11 @@ from ..payload.attention.tiles import head_view
 
 
 def reference_tree_attention(query, key_cache, value_cache, block_table, seq_lens,
-                             query_start_loc, has_tree, mask, scale, num_kv_heads):
-    """torch oracle (fp32 math) with the kernel's semantics; returns [T, Hq, D]."""
+                             query_start_loc, has_tree, mask, scale, num_kv_heads,
+                             window=None):
+    """torch oracle (fp32 math) with the kernel's semantics; returns [T, Hq, D].
+    window: a sliding window W: a row at position p sees keys at positions
+    >= p - W + 1, where tree rows sit at root + depth (depth: ancestors in the mask)."""
     d = key_cache.shape[-1]
     hq = query.shape[1] if query.dim() == 3 else query.shape[1] // d
     q_all = head_view(query, hq)
@@ -31,9 +34,14 @@ def reference_tree_attention(query, key_cache, value_cache, block_table, seq_len
         q = q_all[q0:q1].float()
         s = torch.einsum("qhd,khd->hqk", q, k) * scale
         new = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        rel = torch.arange(q_len, device=query.device)
         if int(has_tree[r]):
             new = mask[r, :q_len, :q_len] != 0
+            rel = new.sum(1) - 1
         vis = torch.cat([torch.ones(q_len, ctx, dtype=torch.bool, device=query.device), new], 1)
+        if window is not None:
+            kpos = torch.cat([pos[:ctx], ctx + rel])
+            vis &= kpos[None, :] >= (ctx + rel)[:, None] - window + 1
         s = s.masked_fill(~vis.unsqueeze(0), float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
     return out

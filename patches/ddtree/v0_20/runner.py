@@ -32,6 +32,7 @@ FLEX = "vllm/v1/attention/backends/flex_attention.py"
 # speculative.py and input_processor.py take the same edits as 0.32 (same anchors)
 SPEC_EDIT = v0_32.SPEC_EDIT
 INPUT_EDIT = v0_32.INPUT_EDIT
+SAMPLING_EDIT = v0_32.SAMPLING_EDIT
 
 VLLM_EDIT = file_edit(VLLM, [v0_32.VLLM_POST_INIT],
                       "synchronous scheduling and the V1 runner for DDTree")

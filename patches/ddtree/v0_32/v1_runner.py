@@ -22,6 +22,7 @@ CPU_ATTN = "vllm/v1/attention/backends/cpu_attn.py"
 FLASH = "vllm/v1/attention/backends/flash_attn.py"
 TRITON = "vllm/v1/attention/backends/triton_attn.py"
 INPUT = "vllm/v1/engine/input_processor.py"
+SAMPLING = "vllm/sampling_params.py"
 METRICS = "vllm/v1/metrics/loggers.py"
 
 
@@ -152,11 +153,20 @@ PROPOSER_RUNNER_EDIT = file_edit(RUNNER, [
 ], "DFlash drafter -> DDTreeProposer when method='ddtree'")
 
 INPUT_EDIT = file_edit(INPUT, [
-    hook("InputProcessor._validate_params", "validate_request(params)",
+    hook("InputProcessor._validate_params",
+         "validate_request(params, self.speculative_config)",
          guard=on("self.speculative_config"), imports=("config", "validate_request"),
          at=lambda c: c.lstrip().startswith("params.verify(") and
          "speculative_config" in c),
 ], "refuse sampling features DDTree does not implement, per request")
+
+# vLLM refuses min_p and logit_bias for every speculative method; DDTree serves them on
+# the V1 runner and refuses what it does not serve itself (config.validate_request)
+SAMPLING_EDIT = file_edit(SAMPLING, [
+    hook("SamplingParams._validate_spec_decode",
+         "return  # DDTree checks its request features itself (validate_request)",
+         guard=on("speculative_config")),
+], "min_p and logit_bias are DDTree's to refuse or serve (validate_request)")
 
 
 def runtime_step(factory: str) -> Step:

@@ -2,7 +2,7 @@
 
 The CPU kernel takes no mask, so verify steps with a tree run here: every query row
 sees the request's whole context plus, among this step's rows, its ancestors and
-itself.  The K/V layout inside a CPU cache block depends on the ISA (K is stored
+itself (with a sliding window, only the keys inside its window: features.py).  The K/V layout inside a CPU cache block depends on the ISA (K is stored
 transposed on the plain vector ISA), so it is read off the backend's own writer
 once (``_layout``) rather than assumed.  Also the oracle for the CUDA path.
 """
@@ -14,6 +14,8 @@ import functools
 import torch
 
 from vllm import _custom_ops as ops
+
+from .features import check, window_of
 
 
 def _digits(n: torch.Tensor, k: int) -> torch.Tensor:
@@ -61,32 +63,35 @@ def read_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, isa: str)
 
 def tree_attention(impl, layer, query, key, value, kv_cache, md, output):
     """Attention for a DDTree verify step (all requests of the batch).  ``kv_cache``
-    is the backend's [blocks, H, 2 * block_size, D] view."""
-    window = impl.sliding_window
-    if impl.alibi_slopes is not None or impl.logits_soft_cap or impl.sinks is not None \
-            or getattr(impl, "kv_cache_dtype", "auto") not in ("auto", None) \
-            or window not in (None, -1, (-1, -1)):
-        raise NotImplementedError("DDTree tree attention on CPU supports plain full "
-                                  "attention in the target (no sliding window, ALiBi, "
-                                  "softcap, sinks or quantised KV)")
+    is the backend's [blocks, H, 2 * block_size, D] view.  A sliding window W limits
+    every row to keys at positions >= its own - W + 1 (tree keys at their tree
+    positions); only the blocks some row can see are read."""
+    check(impl)
+    window = window_of(impl)
     step = md.ddtree
     n = md.num_actual_tokens
     qsl = md.query_start_loc.tolist()
     seq_lens = md.seq_lens.tolist()
     group = impl.num_heads // impl.num_kv_heads
+    bs = kv_cache.shape[2] // 2
     for r in range(len(qsl) - 1):
         q0, q1 = qsl[r], qsl[r + 1]
         if q1 == q0:
             continue
         q_len, seq_len = q1 - q0, seq_lens[r]
-        bs = kv_cache.shape[2] // 2
-        blocks = md.block_table[r, : (seq_len + bs - 1) // bs].to(torch.int64)
-        k, v = read_kv(kv_cache, blocks, seq_len, layer.isa)
+        allowed, qpos = step.visible(r, q_len, seq_len)
+        first = 0
+        if window is not None:  # keys at positions >= qpos - W + 1; the lowest row's
+            first = max(0, int(qpos.min()) - window + 1) // bs  # first block it needs
+            kpos = torch.cat([torch.arange(seq_len - q_len), qpos])
+            allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
+        blocks = md.block_table[r, first: (seq_len + bs - 1) // bs].to(torch.int64)
+        k, v = read_kv(kv_cache, blocks, seq_len - first * bs, layer.isa)
+        allowed = allowed[:, first * bs:]
         q = query[q0:q1].float()
         k = k.float().repeat_interleave(group, dim=1)
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * impl.scale
-        allowed = step.visible(r, q_len, seq_len)
         scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
         out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
         output[q0:q1].copy_(out.reshape(output[q0:q1].shape).to(output.dtype))

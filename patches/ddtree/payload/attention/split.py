@@ -27,9 +27,9 @@ Contract of ``split_tree_attention`` (the entry point):
   int32; seq_lens [R] int32 (context + this step); query_start_loc [R + 1] int32;
   has_tree [>= R] int32; mask [>= R, rows, rows] int8, last dim contiguous (the
   ``TreeState`` buffers); GQA: Hq % Hkv == 0; fp32 / bf16 / fp16 (FA: bf16 / fp16
-  only; fp32 needs prefix='triton'); scale = the softmax scale.  Refused: sliding
-  window, softcap (NotImplementedError: use cuda_attention's single kernel, which
-  refuses them too).  CUDA graphs: launches depend on shapes and host ints only
+  only; fp32 needs prefix='triton'); scale = the softmax scale; a sliding window W
+  (prefix='triton' only: every row sees keys at positions >= its own - W + 1, tree
+  rows at root + depth).  Refused: softcap (NotImplementedError).  CUDA graphs: launches depend on shapes and host ints only
   (max_query_len, max_seq_len), every per-step value is read from tensors.
 """
 
@@ -101,12 +101,14 @@ def prefix_torch(query, key_cache, value_cache, out, block_table, ctx_lens, quer
 # ------------------------------------------------------------------------ Triton
 
 if HAS_TRITON:
-    from .tiles import merge_state, online_update, query_rows, tile_scores
+    from .tiles import merge_state, online_update, query_rows, tile_scores, tree_depth
 
     @triton.jit
     def _prefix_tile(start, m_i, l_i, acc, q, KC, VC, bt_row, kend, d, dm, s_kb, s_kt, s_kh,
-                     s_vb, s_vt, s_vh, kvh, block_size, scale,
+                     s_vb, s_vt, s_vh, kvh, block_size, scale, lo,
                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """Context keys [start, start + BLOCK_N) below kend, each row from its lo[m] on
+        (the sliding window's first key; 0 without one)."""
         kk = start + tl.arange(0, BLOCK_N)
         km = kk < kend
         blk = tl.load(bt_row + kk // block_size, mask=km, other=0).to(tl.int64)
@@ -114,18 +116,20 @@ if HAS_TRITON:
         kvm = km[:, None] & dm[None, :]
         k = tl.load(KC + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + d[None, :],
                     mask=kvm, other=0.0)
-        s = tl.where(km[None, :], tile_scores(q, k, scale, IEEE), float("-inf"))
+        s = tl.where(km[None, :] & (kk[None, :] >= lo[:, None]), tile_scores(q, k, scale, IEEE),
+                     float("-inf"))
         v = tl.load(VC + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + d[None, :],
                     mask=kvm, other=0.0)
         return online_update(s, m_i, l_i, acc, v, IEEE)
 
     @triton.jit
-    def _prefix_kernel(Q, KC, VC, BT, CTX, QSL, O, PM, PL, PA,
+    def _prefix_kernel(Q, KC, VC, BT, CTX, QSL, O, PM, PL, PA, HAS, MASK,
                        s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt, s_ot, s_oh,
-                       s_ms, s_mh, s_mt, s_as, s_at, s_ah, scale, block_size,
-                       G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
+                       s_ms, s_mh, s_mt, s_as, s_at, s_ah, s_mr, s_mi, scale, block_size,
+                       window, G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
                        BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                       IEEE: tl.constexpr, USE_FOR: tl.constexpr, S: tl.constexpr):
+                       IEEE: tl.constexpr, USE_FOR: tl.constexpr, S: tl.constexpr,
+                       RP: tl.constexpr, WINDOW: tl.constexpr):
         # one program = request x BLOCK_Q query tokens x KV head (its G query heads
         # packed in M rows) x one of S key ranges of the context.  S == 1: normalised
         # output into O and the LSE into PM (FA's convention); S > 1: partial states
@@ -145,8 +149,18 @@ if HAS_TRITON:
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, DP], tl.float32)
         bt_row = BT + r.to(tl.int64) * s_bt
-        per = (ctx + BLOCK_N * S - 1) // (BLOCK_N * S) * BLOCK_N
-        k_lo = sp * per
+        # a sliding window: row m sees context keys from ctx + its relative position
+        # (tree rows: depth) - window + 1 on; none sees keys before ctx - window + 1
+        base = 0
+        lo = tl.zeros([M], tl.int32)
+        if WINDOW:
+            has = tl.load(HAS + r) != 0
+            rel = tree_depth(MASK + r.to(tl.int64) * s_mr, s_mi, qi, row_ok, has, RP)
+            lo = ctx + rel - window + 1
+            if ctx - window + 1 > 0:
+                base = ctx - window + 1
+        per = (ctx - base + BLOCK_N * S - 1) // (BLOCK_N * S) * BLOCK_N
+        k_lo = base + sp * per
         k_hi = k_lo + per
         if ctx < k_hi:
             k_hi = ctx
@@ -154,13 +168,13 @@ if HAS_TRITON:
             for start in range(k_lo, k_hi, BLOCK_N):
                 m_i, l_i, acc = _prefix_tile(start, m_i, l_i, acc, q, KC, VC, bt_row, k_hi, d,
                                              dm, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, kvh,
-                                             block_size, scale, BLOCK_N, IEEE)
+                                             block_size, scale, lo, BLOCK_N, IEEE)
         else:  # the CPU interpreter cannot take a loaded loop bound in range()
             start = k_lo
             while start < k_hi:
                 m_i, l_i, acc = _prefix_tile(start, m_i, l_i, acc, q, KC, VC, bt_row, k_hi, d,
                                              dm, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, kvh,
-                                             block_size, scale, BLOCK_N, IEEE)
+                                             block_size, scale, lo, BLOCK_N, IEEE)
                 start += BLOCK_N
         om = row_ok[:, None] & dm[None, :]
         if S == 1:
@@ -177,8 +191,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _tree_tile(start, m_i, l_i, acc, q, K, V, q0, qi, row_ok, kend, has, mask_row, d, dm,
-                   s_kt, s_kh, s_vt, s_vh, s_mi, kvh, scale,
-                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                   s_kt, s_kh, s_vt, s_vh, s_mi, kvh, scale, qrel, window,
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, RP: tl.constexpr,
+                   WINDOW: tl.constexpr):
         j = start + tl.arange(0, BLOCK_N)
         jm = j < kend
         kt = (q0 + j).to(tl.int64)
@@ -189,6 +204,9 @@ if HAS_TRITON:
                      mask=row_ok[:, None] & jm[None, :] & has, other=0)
         vis = tl.where(has, tm != 0, j[None, :] <= qi[:, None])
         vis = vis & jm[None, :] & row_ok[:, None]
+        if WINDOW:
+            krel = tree_depth(mask_row, s_mi, j, jm, has, RP)
+            vis = vis & (krel[None, :] > qrel[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
         v = tl.load(V + kt[:, None] * s_vt + kvh * s_vh + d[None, :], mask=kvm, other=0.0)
         return online_update(s, m_i, l_i, acc, v, IEEE)
@@ -196,10 +214,11 @@ if HAS_TRITON:
     @triton.jit
     def _tree_kernel(Q, K, V, O, QSL, HAS, MASK, PM, PL, PA,
                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_mr, s_mi,
-                     s_ms, s_mh, s_mt, s_as, s_at, s_ah, scale,
+                     s_ms, s_mh, s_mt, s_as, s_at, s_ah, scale, window,
                      G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
                      BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                     IEEE: tl.constexpr, USE_FOR: tl.constexpr, S: tl.constexpr):
+                     IEEE: tl.constexpr, USE_FOR: tl.constexpr, S: tl.constexpr,
+                     RP: tl.constexpr, WINDOW: tl.constexpr):
         # one program = request x BLOCK_Q query tokens x KV head: attention over this
         # step's rows under the tree (or causal) mask, then the prefix folded in:
         # S == 0: (normalised output in PA, LSE in PM) as FA writes them; S >= 1:
@@ -222,17 +241,20 @@ if HAS_TRITON:
         kend = q_len
         if (qb + 1) * BLOCK_Q < q_len:
             kend = (qb + 1) * BLOCK_Q
+        qrel = qi
+        if WINDOW:
+            qrel = tree_depth(mask_row, s_mi, qi, row_ok, has, RP)
         if USE_FOR:
             for start in range(0, kend, BLOCK_N):
                 m_i, l_i, acc = _tree_tile(start, m_i, l_i, acc, q, K, V, q0, qi, row_ok, kend,
                                            has, mask_row, d, dm, s_kt, s_kh, s_vt, s_vh, s_mi,
-                                           kvh, scale, BLOCK_N, IEEE)
+                                           kvh, scale, qrel, window, BLOCK_N, IEEE, RP, WINDOW)
         else:
             start = 0
             while start < kend:
                 m_i, l_i, acc = _tree_tile(start, m_i, l_i, acc, q, K, V, q0, qi, row_ok, kend,
                                            has, mask_row, d, dm, s_kt, s_kh, s_vt, s_vh, s_mi,
-                                           kvh, scale, BLOCK_N, IEEE)
+                                           kvh, scale, qrel, window, BLOCK_N, IEEE, RP, WINDOW)
                 start += BLOCK_N
         om = row_ok[:, None] & dm[None, :]
         if S == 0:
@@ -275,8 +297,9 @@ class _Grid:
 
 def prefix_triton(query, key_cache, value_cache, out, block_table, ctx_lens, query_start_loc,
                   max_query_len, num_kv_heads, scale, splits=None, block_q=None, block_n=64,
-                  num_warps=4):
-    """Our paged prefix kernel.  Returns the prefix state for ``tree_part``:
+                  num_warps=4, window=None, has_tree=None, mask=None):
+    """Our paged prefix kernel (window: a sliding window, rows at their tree positions
+    from ``has_tree`` / ``mask``).  Returns the prefix state for ``tree_part``:
     (0, lse [Hq, T], out) with the normalised output written into ``out`` when it runs
     unsplit, else (S, (m, l) [S, Hq, T], acc [S, T, Hq, D]) partial states."""
     gr = _Grid(query_start_loc, out, num_kv_heads, max_query_len, block_q)
@@ -298,12 +321,20 @@ def prefix_triton(query, key_cache, value_cache, out, block_table, ctx_lens, que
         pa = torch.empty(splits, t, hq, dp, **f32)
         sm = pm.stride()
         sa = pa.stride()[:3]
+    if window is None:
+        has_tree = mask = ctx_lens  # not read
+        sr, rp = (0, 0), 2
+    else:
+        assert mask.stride(2) == 1
+        sr, rp = (mask.stride(0), mask.stride(1)), max(2, next_pow2(mask.shape[2]))
     _prefix_kernel[(gr.num_reqs, gr.nqb, num_kv_heads * splits)](
         query, key_cache, value_cache, block_table, ctx_lens, query_start_loc, out, pm, pl, pa,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
-        key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1), *sm, *sa, float(scale),
-        key_cache.shape[1], **gr.consts(query, block_n), S=splits, num_warps=num_warps)
+        has_tree, mask, query.stride(0), query.stride(1), key_cache.stride(0),
+        key_cache.stride(1), key_cache.stride(2), value_cache.stride(0), value_cache.stride(1),
+        value_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1), *sm, *sa,
+        *sr, float(scale), key_cache.shape[1], int(window or 0),
+        **gr.consts(query, block_n), S=splits, RP=rp, WINDOW=window is not None,
+        num_warps=num_warps)
     if splits == 1:
         return 0, pm, out
     return splits, (pm, pl), pa
@@ -311,7 +342,7 @@ def prefix_triton(query, key_cache, value_cache, out, block_table, ctx_lens, que
 
 def tree_part(query, key, value, output, query_start_loc, has_tree, mask, scale,
               max_query_len, num_kv_heads, prefix_state, block_q=None, block_n=32,
-              num_warps=4):
+              num_warps=4, window=None):
     """The tree part + the merge: writes the final attention into ``output``.
     prefix_state: (0, lse [Hq, T], out_p [T, Hq, D]) as FA returns it (out_p may be
     ``output`` itself), or (S, (m, l) [S, Hq, T], acc [S, T, Hq, D]) partials."""
@@ -329,7 +360,8 @@ def tree_part(query, key, value, output, query_start_loc, has_tree, mask, scale,
         query, key, value, output, query_start_loc, has_tree, mask, pm, pl, pa,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0),
         value.stride(1), output.stride(0), output.stride(1), mask.stride(0), mask.stride(1),
-        *sm, *sa, float(scale), **gr.consts(query, block_n), S=s, num_warps=num_warps)
+        *sm, *sa, float(scale), int(window or 0), **gr.consts(query, block_n), S=s,
+        RP=max(2, next_pow2(mask.shape[2])), WINDOW=window is not None, num_warps=num_warps)
     return output
 
 
@@ -349,9 +381,10 @@ def split_tree_attention(query, key, value, key_cache, value_cache, output, bloc
     (None: by program count); tree_kw: the tree kernel's block_q / block_n / num_warps.
     Returns output.
     """
-    if sliding_window not in (None, -1, (-1, -1), [-1, -1]):
-        raise NotImplementedError("split tree attention: sliding-window layers are not "
-                                  "supported; use the single-kernel tree attention")
+    if sliding_window is not None and prefix != "triton":
+        raise NotImplementedError("split tree attention with a sliding window needs "
+                                  "prefix='triton' (FlashAttention's window counts from "
+                                  "the last query row, not from tree positions)")
     if softcap:
         raise NotImplementedError("split tree attention: softcap is not supported")
     hq = query.shape[1] if query.dim() == 3 else query.shape[1] // key_cache.shape[-1]
@@ -362,10 +395,11 @@ def split_tree_attention(query, key, value, key_cache, value_cache, output, bloc
     ctx = context_lens(seq_lens, query_start_loc) if ctx_lens is None else ctx_lens
     args = (q, key_cache, value_cache, o, block_table, ctx, query_start_loc, max_query_len)
     if prefix == "triton":
-        state = prefix_triton(*args, num_kv_heads, scale, splits=prefix_splits)
+        state = prefix_triton(*args, num_kv_heads, scale, splits=prefix_splits,
+                              window=sliding_window, has_tree=has_tree, mask=mask)
     elif prefix == "fa":
         state = (0, prefix_fa(*args, max_seq_len, scale, fa_version, num_splits), o)
     else:
         state = (0, prefix(*args, max_seq_len, scale), o)
     return tree_part(q, key, value, o, query_start_loc, has_tree, mask, scale, max_query_len,
-                     num_kv_heads, state, **(tree_kw or {}))
+                     num_kv_heads, state, window=sliding_window, **(tree_kw or {}))

@@ -47,6 +47,15 @@ if HAS_TRITON:
         return s * scale
 
     @triton.jit
+    def tree_depth(mask_row, s_mi, rows, ok, has, RP: tl.constexpr):
+        """Positions of a request's verify rows relative to its first one: a tree row's
+        depth (its ancestors in the tree mask: they precede it), else the row index."""
+        c = tl.arange(0, RP)
+        mm = tl.load(mask_row + rows[:, None] * s_mi + c[None, :],
+                     mask=ok[:, None] & (c[None, :] <= rows[:, None]) & has, other=0)
+        return tl.where(has, tl.sum((mm != 0).to(tl.int32), 1) - 1, rows)
+
+    @triton.jit
     def row_index(q0, q_len, qb, kvh, G: tl.constexpr, BLOCK_Q: tl.constexpr,
                   M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
         """A program's M rows: BLOCK_Q query tokens x the G query heads of KV head kvh

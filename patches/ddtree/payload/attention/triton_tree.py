@@ -33,6 +33,7 @@ import json
 import torch
 
 from .. import envs
+from .features import check, window_of
 from .tiles import head_view
 from ..core._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
 
@@ -85,13 +86,16 @@ class TreeState:
 
 
 if HAS_TRITON:
-    from .tiles import merge_state, online_update, query_rows, row_index, tile_scores
+    from .tiles import (merge_state, online_update, query_rows, row_index, tile_scores,
+                        tree_depth)
 
     @triton.jit
     def _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi, row_ok, d, dm, ctx, kend,
-              has, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_mi, scale, kvh, block_size,
-              BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """One key tile: scores, tree/causal visibility, online-softmax update."""
+              has, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_mi, scale, kvh, block_size, qrel,
+              window, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, RP: tl.constexpr,
+              WINDOW: tl.constexpr):
+        """One key tile: scores, tree/causal visibility (and the sliding window: keys at
+        relative positions > qrel - window), online-softmax update."""
         kk = start + tl.arange(0, BLOCK_N)
         km = kk < kend
         blk = tl.load(bt_row + kk // block_size, mask=km, other=0).to(tl.int64)
@@ -107,6 +111,10 @@ if HAS_TRITON:
         causal = j[None, :] <= qi[:, None]
         vis = tl.where(has, tm != 0, causal) | (j < 0)[None, :]
         vis = vis & km[None, :] & row_ok[:, None]
+        if WINDOW:
+            krel = tl.where(new, tree_depth(mask_row, s_mi, tl.where(new, j, 0), new, has, RP),
+                            j)
+            vis = vis & (krel[None, :] > qrel[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
         v = tl.load(V + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + d[None, :],
                     mask=kv_m, other=0.0)
@@ -115,10 +123,11 @@ if HAS_TRITON:
     @triton.jit
     def _tree_attn_kernel(Q, K, V, O, BT, SEQ, QSL, HAS, MASK, PM, PL, PACC,
                           s_qt, s_qh, s_ot, s_oh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                          s_bt, s_mr, s_mi, scale, block_size, NQB, NKV,
+                          s_bt, s_mr, s_mi, scale, block_size, NQB, NKV, window,
                           G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
                           BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                          IEEE: tl.constexpr, USE_FOR: tl.constexpr, S: tl.constexpr):
+                          IEEE: tl.constexpr, USE_FOR: tl.constexpr, S: tl.constexpr,
+                          RP: tl.constexpr, WINDOW: tl.constexpr):
         # one program = one request x BLOCK_Q query tokens x one KV head (all G query
         # heads of it: M >= BLOCK_Q * G rows, GQA packed like unified_attention) x one
         # of S key splits (S > 1: partial softmax state to PM/PL/PACC, then _combine)
@@ -146,9 +155,17 @@ if HAS_TRITON:
             kend = ctx + hi
         bt_row = BT + r.to(tl.int64) * s_bt
         mask_row = MASK + r.to(tl.int64) * s_mr
+        # a sliding window: positions relative to the first row (tree rows: root +
+        # depth); no row sees context keys before ctx - window + 1
+        base = 0
+        qrel = qi
+        if WINDOW:
+            qrel = tree_depth(mask_row, s_mi, qi, row_ok, has, RP)
+            if ctx - window + 1 > 0:
+                base = ctx - window + 1
         # this split's keys: whole tiles, [k_lo, k_hi)
-        per = (kend + BLOCK_N * S - 1) // (BLOCK_N * S) * BLOCK_N
-        k_lo = sp * per
+        per = (kend - base + BLOCK_N * S - 1) // (BLOCK_N * S) * BLOCK_N
+        k_lo = base + sp * per
         k_hi = k_lo + per
         if kend < k_hi:
             k_hi = kend
@@ -156,15 +173,15 @@ if HAS_TRITON:
             for start in range(k_lo, k_hi, BLOCK_N):
                 m_i, l_i, acc = _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi,
                                       row_ok, d, dm, ctx, k_hi, has, s_kb, s_kt, s_kh, s_vb,
-                                      s_vt, s_vh, s_mi, scale, kvh, block_size,
-                                      BLOCK_N, IEEE)
+                                      s_vt, s_vh, s_mi, scale, kvh, block_size, qrel, window,
+                                      BLOCK_N, IEEE, RP, WINDOW)
         else:  # the CPU interpreter cannot take a loaded loop bound in range()
             start = k_lo
             while start < k_hi:
                 m_i, l_i, acc = _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi,
                                       row_ok, d, dm, ctx, k_hi, has, s_kb, s_kt, s_kh, s_vb,
-                                      s_vt, s_vh, s_mi, scale, kvh, block_size,
-                                      BLOCK_N, IEEE)
+                                      s_vt, s_vh, s_mi, scale, kvh, block_size, qrel, window,
+                                      BLOCK_N, IEEE, RP, WINDOW)
                 start += BLOCK_N
         if S == 1:
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -208,10 +225,12 @@ if HAS_TRITON:
 def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_start_loc,
            has_tree, mask, scale: float, max_query_len: int, num_kv_heads: int,
            block_n: int | None = None, splits: int | None = None, block_q: int | None = None,
-           num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+           num_warps: int | None = None, num_stages: int | None = None,
+           window: int | None = None) -> torch.Tensor:
     """query/output [T, Hq, D] (or [T, Hq*D]); key/value_cache [blocks, block_size,
     Hkv, D]; block_table [R, max_blocks]; seq_lens [R]; query_start_loc [R + 1];
-    has_tree [>= R] int32; mask [>= R, rows, rows] int8 (last dim contiguous).
+    has_tree [>= R] int32; mask [>= R, rows, rows] int8 (last dim contiguous);
+    window: a sliding window W (a row sees keys at positions >= its own - W + 1).
 
     Small batches split the keys over S programs (flash-decoding style) so the GPU is
     filled; S depends on the launch shape only (CUDA-graph safe: each program derives
@@ -251,35 +270,16 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), mask.stride(0), mask.stride(1), float(scale),
-        key_cache.shape[1], nqb, num_kv_heads,
+        key_cache.shape[1], nqb, num_kv_heads, int(window or 0),
         G=g, BLOCK_Q=block_q, M=m, BLOCK_N=block_n, D=d, DP=dp,
         IEEE=query.dtype == torch.float32, USE_FOR=not interpreting(), S=splits,
+        RP=max(2, next_pow2(mask.shape[2])), WINDOW=window is not None,
         num_warps=num_warps, **extra)
     if splits > 1:
         _combine[(num_reqs, nqb, num_kv_heads)](
             o, query_start_loc, pm, pl, pacc, o.stride(0), o.stride(1), nqb, num_kv_heads,
             G=g, BLOCK_Q=block_q, M=m, D=d, DP=dp, S=splits, num_warps=4)
     return output
-
-
-def _check(impl) -> None:
-    window = getattr(impl, "sliding_window", None)
-    bad = []
-    if getattr(impl, "alibi_slopes", None) is not None:
-        bad.append("ALiBi")
-    if getattr(impl, "logits_soft_cap", None):
-        bad.append("softcap")
-    if getattr(impl, "sinks", None) is not None:
-        bad.append("attention sinks")
-    if str(getattr(impl, "kv_cache_dtype", "auto")) not in ("auto", "None"):
-        bad.append("quantised KV cache")
-    if window not in (None, -1, (-1, -1), [-1, -1]):
-        bad.append("sliding window")
-    if getattr(impl, "dcp_world_size", 1) > 1:
-        bad.append("decode context parallelism")
-    if bad:
-        raise NotImplementedError("DDTree tree attention supports plain full attention in "
-                                  "the target; this model uses " + ", ".join(bad))
 
 
 def split_kv(kv_cache: torch.Tensor, layout: str, head_size: int):
@@ -299,17 +299,18 @@ def tree_attention(impl, layer, query, key, value, kv_cache, md, output, backend
     """The backends' forward for metadata marked by the DDTree runtime (``md.ddtree``
     is the runtime's TreeState).  K/V of this step are already in ``kv_cache``."""
     if not getattr(impl, "_ddtree_checked", False):
-        _check(impl)
+        check(impl)
         impl._ddtree_checked = True
+    window = window_of(impl)
     state = md.ddtree
     key_cache, value_cache = split_kv(kv_cache, layout, impl.head_size)
     # key None: a layer sharing another's KV (the single kernel)
     if key is not None and value is not None and use_split(md, state.split):
         return _split(impl, query, key, value, key_cache, value_cache, md, output, state,
-                      backend)
+                      backend, window)
     return launch(query, key_cache, value_cache, output, md.block_table, md.seq_lens,
                   md.query_start_loc, state.has_tree, state.mask, impl.scale,
-                  md.max_query_len, impl.num_kv_heads)
+                  md.max_query_len, impl.num_kv_heads, window=window)
 
 
 # Split tree attention (split.py): the context through the backend's FlashAttention
@@ -328,17 +329,19 @@ def use_split(md, mode: str) -> bool:
     return mode == "on"
 
 
-def _split(impl, query, key, value, key_cache, value_cache, md, output, state, backend):
+def _split(impl, query, key, value, key_cache, value_cache, md, output, state, backend,
+           window):
     from .split import context_lens, split_tree_attention
 
     ctx = getattr(md, "_ddtree_ctx", None)
     if ctx is None:  # once per step, shared by the layers of this metadata
         ctx = context_lens(md.seq_lens, md.query_start_loc)
         md._ddtree_ctx = ctx
-    fa = backend == "flash_attn" and query.dtype != torch.float32
+    # FlashAttention's window counts from the last query row, not tree positions
+    fa = backend == "flash_attn" and query.dtype != torch.float32 and window is None
     return split_tree_attention(
         query, key, value, key_cache, value_cache, output, md.block_table, md.seq_lens,
         md.query_start_loc, state.has_tree, state.mask, impl.scale, md.max_query_len,
         md.max_seq_len, impl.num_kv_heads, prefix="fa" if fa else "triton", ctx_lens=ctx,
         fa_version=getattr(impl, "vllm_flash_attn_version", None) or 3,
-        num_splits=getattr(md, "max_num_splits", 0) or 0)
+        num_splits=getattr(md, "max_num_splits", 0) or 0, sliding_window=window)

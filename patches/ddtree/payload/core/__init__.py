@@ -43,7 +43,7 @@ walk_sampled(target_probs [N, B+1, V], tree, uniforms [N, L+1]) -> WalkResult
     one uniform per visited row, inverse CDF of the row's target distribution over
     "children in node order, then other tokens in id order" on exact 2**-40 integer
     masses; follow the child or emit the bonus (lossless, target-only).
-target_probs(logits [N, R, V], temperature [N], top_k, top_p) -> probs
+target_probs(logits [N, R, V], temperature [N], top_k, top_p, min_p) -> probs
     vLLM 0.32.0 semantics; temperature < 1e-5 -> one-hot argmax.
 compact_kv(kv_caches, block_table, block_size, start_positions [N], accepted_rows,
            num_accepted, layout) -> in place

@@ -2,8 +2,8 @@
 
 Mirrors vllm/v1/sample/rejection_sampler.py::apply_sampling_constraints and
 vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p_pytorch: logits in
-float32, divided by the request's temperature, then top-k (keep tokens >= the k-th
-largest logit, ties kept) and top-p (sort ascending, softmax, cumsum, drop tokens
+float32, divided by the request's temperature, min_p (the no-spec sampler's
+MinPLogitsProcessor), then top-k (keep tokens >= the k-th largest logit, ties kept) and top-p (sort ascending, softmax, cumsum, drop tokens
 with cumulative prob <= 1 - p, always keep the largest), then softmax.  Greedy
 requests (temperature < 1e-5) get a one-hot of the argmax (first max), so the
 sampled walk reproduces the greedy walk for them.
@@ -33,11 +33,20 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     return logits.scatter(-1, idx, srt)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's MinPLogitsProcessor: drop tokens whose probability is below min_p times
+    the row's largest (min_p [rows], 0: off); logits [rows, V], after temperature."""
+    probs = logits.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.to(probs.dtype).unsqueeze(1)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
 def target_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [N, R, V] (R verify rows per request) + per-request params [N] ->
     float32 probs [N, R, V] for walk_sampled."""
@@ -46,6 +55,8 @@ def target_probs(
     temp = temperature.float().to(x.device).repeat_interleave(r)
     greedy = temp < SAMPLING_EPS
     x = x / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(1)
+    if min_p is not None:
+        x = apply_min_p(x, min_p.to(x.device).repeat_interleave(r))
     kk = None if top_k is None else top_k.to(x.device).repeat_interleave(r)
     pp = None if top_p is None else top_p.to(x.device).repeat_interleave(r)
     probs = apply_top_k_top_p(x, kk, pp).softmax(dim=-1)

@@ -9,6 +9,7 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from .. import settings
+from ..attention.features import check_target
 from ..core import build_tree
 from ..core.budget import BudgetController, CostTable, build_controlled
 
@@ -54,6 +55,13 @@ class DDTreeProposer(DFlashProposer):
             self.ddtree_controller = BudgetController(
                 CostTable.for_device(name, cfg.cost_table), self.ddtree_budget,
                 self.ddtree_depth, budgets, device=dev)
+
+    def load_model(self, target_model) -> None:
+        """Load the drafter, then refuse a target whose attention the tree attention
+        does not serve (attention/features.py), before the engine serves a request."""
+        super().load_model(target_model)
+        layers = self.vllm_config.compilation_config.static_forward_context
+        check_target(layers, getattr(self, "_draft_attn_layer_names", ()))
 
     def propose(self, *args, **kwargs):
         # The runner asks for K <= B tokens (K < B: vLLM's dynamic speculative decoding,

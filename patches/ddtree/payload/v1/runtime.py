@@ -32,15 +32,18 @@ class Step:
     masks: list[torch.Tensor | None]  # per request: [1+d, 1+d] ancestor-or-self
     stash: list = field(default_factory=list)
 
-    def visible(self, r: int, q_len: int, seq_len: int) -> torch.Tensor:
-        """[q_len, seq_len] bool: which cached positions each query row may see."""
+    def visible(self, r: int, q_len: int, seq_len: int):
+        """([q_len, seq_len] bool: which cached positions each query row may see,
+        [q_len] the rows' positions: linear, tree rows at root + depth)."""
         ctx = seq_len - q_len
         new = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+        pos = torch.arange(ctx, seq_len)
         m = self.masks[r]
         if m is not None:
             t = m.shape[0]
             new[q_len - t:, q_len - t:] = m.cpu()
-        return torch.cat([torch.ones(q_len, ctx, dtype=torch.bool), new], dim=1)
+            pos[q_len - t + 1:] = pos[q_len - t] + self.tree.depths[r, : t - 1].cpu()
+        return torch.cat([torch.ones(q_len, ctx, dtype=torch.bool), new], dim=1), pos
 
     def stash_kv(self, layer, impl, kv_cache, key, value, slot_mapping) -> None:
         self.stash.append((layer, impl, kv_cache, key.clone(), value.clone(), slot_mapping))

@@ -4,7 +4,10 @@ Same call and output as RejectionSampler.forward: [N, D+1] token ids, the accept
 path then the bonus token, -1 padded.  Verify rows per request: row 0 is the root
 (the token the step started from), row 1 + j is draft node j.  Greedy: follow the
 child whose token is the target argmax.  Sampling: target-only and lossless
-(core.walk_sampled); temperature / top-k / top-p as vLLM applies them.
+(core.walk_sampled); temperature / min_p / top-k / top-p as vLLM applies them.  Each
+row's logits are first processed for the request's penalties, allowed tokens, bad
+words, min_tokens and logit_bias after that row's own path (requests.py); logprobs
+of the emitted tokens come from the rows that emitted them.
 
 Rank determinism (tensor parallelism): every rank runs this sampler on the same
 all-gathered logits and must walk to the same path.  The walk's uniforms come from the
@@ -23,6 +26,7 @@ from vllm.v1.outputs import SamplerOutput
 
 from ..core import (DDTree, chain_depths, chain_parents, target_probs, walk_greedy,
                     walk_sampled)
+from .requests import emitted_logprobs, min_p_of, process_rows
 
 WALK_SEED_SALT = 0xDD7EE  # the walk's own stream, apart from the engine seed's
 
@@ -59,19 +63,36 @@ class DDTreeSampler(nn.Module):
             if dev.type == "cuda":  # pinned + non-blocking: no wait for the forward
                 idx = idx.pin_memory().to(dev, non_blocking=True)
             rows = logits[idx.to(dev)].view(n, dmax + 1, -1)
+        reqs = self._requests(n)
+        target = process_rows(rows, tree, reqs,
+                              getattr(sampling_metadata, "prompt_token_ids", None))
         if sampling_metadata.all_greedy:
-            res = walk_greedy(rows.argmax(-1), tree)
+            res = walk_greedy(target.argmax(-1), tree)
         else:
             temp = sampling_metadata.temperature
-            probs = target_probs(rows, temp[:n], _cut(sampling_metadata.top_k, n),
-                                 _cut(sampling_metadata.top_p, n))
+            probs = target_probs(target, temp[:n], _cut(sampling_metadata.top_k, n),
+                                 _cut(sampling_metadata.top_p, n), min_p_of(reqs, n, dev))
             res = walk_sampled(probs, tree, self._uniforms(n, tree.max_depth + 1,
                                                           sampling_metadata, dev))
         self.runtime.walk = res
         out = torch.full((n, dmax + 1), -1, dtype=torch.int32, device=dev)
         width = min(res.output_tokens.shape[1], dmax + 1)
         out[:, :width] = res.output_tokens[:, :width].to(torch.int32)
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+        logprobs = None
+        k = getattr(sampling_metadata, "max_num_logprobs", None)
+        if k is not None:
+            logprobs = emitted_logprobs(self.sampler, rows, res, out, k)
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+    def _requests(self, n):
+        """(SamplingParams, output token ids) of each batch row's request (or None)."""
+        runner = self.runtime.runner
+        out = []
+        for rid in runner.input_batch.req_ids[:n]:
+            req = runner.requests.get(rid)
+            params = getattr(req, "sampling_params", None)
+            out.append(None if params is None else (params, req.output_token_ids))
+        return out
 
     @staticmethod
     def _chains(metadata, num_drafts, dev) -> DDTree:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..attention.features import check_target
 from .. import settings
 from ..config import unsupported_parallelism
 from ..core import step as step_kernels
@@ -226,6 +227,8 @@ class V2DDTree:
                         f"DDTree V2 verifies trees with the {' / '.join(BACKENDS)} "
                         f"attention backends; the target runs {name}: pass "
                         "attention_backend='FLASH_ATTN' (or 'TRITON_ATTN')")
+        # ALiBi, softcap, sinks, quantised KV (attention/features.py)
+        check_target(self.runner.compilation_config.static_forward_context, draft)
         self._backends_ok = True
 
     # ---------------------------------------------------------------- commit

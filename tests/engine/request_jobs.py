@@ -1,0 +1,147 @@
+"""Request features DDTree serves per tree node on the V1 runner (issue #32): the
+engine_runner jobs that exercise them (tests/engine/test_ddtree_engine.py) and the
+comparisons against no-spec.
+
+Each greedy feature job must change the no-spec output (else equality proves nothing)
+and DDTree must give it token for token; sampled jobs compare distributions."""
+
+from __future__ import annotations
+
+GREEDY = {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True}
+
+# default target (vocab 512): greedy jobs, each on prompts of its own
+FEATURES = {
+    "logprobs": {"logprobs": 3},
+    "penalties": {"presence_penalty": 1.5, "frequency_penalty": 0.5,
+                  "repetition_penalty": 1.3},
+    "allowed": {"allowed_token_ids": list(range(2, 200))},
+    "logit_bias": {"logit_bias": {**{t: 30.0 for t in range(100, 140)},
+                                  **{t: -100.0 for t in range(200, 260)}}},
+}
+
+# the small target (vocab 10): a path token is often the next token's best candidate,
+# so a penalty that does not count the node's own path changes the output
+PENALTIES = {
+    "presence": {"presence_penalty": 2.0},
+    "frequency": {"frequency_penalty": 2.0},
+    "repetition": {"repetition_penalty": 2.0},
+    "repetition_below_1": {"repetition_penalty": 0.5},
+    "all_penalties": {"presence_penalty": 1.0, "frequency_penalty": 0.5,
+                      "repetition_penalty": 1.5},
+}
+
+SAMPLES = 2000
+# T = 1 on the small target, in one batch: penalties next to min_p next to plain
+SAMPLED_MIX = [  # ids in [2, 9): not bos / eos / the small target's mask token 9
+    ([5, 8, 3, 7], {"presence_penalty": 1.5, "frequency_penalty": 0.5,
+                    "repetition_penalty": 1.5}),
+    ([6, 2, 8, 4], {"min_p": 0.15}),
+    ([4, 2, 6, 8], {}),
+]
+SMALL = {"vocab_size": 10, "logit_scale": 8.0}  # the small target's tiny_models params
+
+
+def job(name, prompts, sampling) -> dict:
+    return {"name": name, "prompts": prompts, "sampling": sampling}
+
+
+def feature_jobs(prompts_of) -> list[dict]:
+    """FEATURES as greedy jobs; prompts_of(k) -> the prompts of the k-th job."""
+    return [job(f"feature_{name}", prompts_of(k), {**GREEDY, **extra})
+            for k, (name, extra) in enumerate(FEATURES.items())]
+
+
+def penalty_jobs(prompts_of) -> list[dict]:
+    return [job(f"penalty_{name}", prompts_of(k), {**GREEDY, **extra})
+            for k, (name, extra) in enumerate(PENALTIES.items())]
+
+
+def plain_job(name, jobs) -> dict:
+    """Plain greedy over the prompts of ``jobs``, in order (what the features change)."""
+    return job(name, [p for j in jobs for p in j["prompts"]], GREEDY)
+
+
+def changed(run: dict, feature: dict, plain: dict) -> int:
+    """How many prompts of job ``feature`` get another output in ``run`` than under
+    job ``plain`` (a plain_job over job definitions that include ``feature``)."""
+    base = {tuple(p): t for p, t in zip(plain["prompts"],
+                                         run["jobs"][plain["name"]]["token_ids"])}
+    got = run["jobs"][feature["name"]]["token_ids"]
+    return sum(base[tuple(p)] != t for p, t in zip(feature["prompts"], got))
+
+
+def bad_words_job(prompts, base) -> dict:
+    """Per prompt i: the plain output's 6th token and its 10th-11th tokens as bad words
+    (one word and a two-token word: vLLM bans the last token after the prefix)."""
+    per = [{**GREEDY, "bad_words": [f"w{b[5]}", f"w{b[9]} w{b[10]}"]} for b in base]
+    return job("feature_bad_words", prompts, per)
+
+
+def min_tokens_job(prompt, stop_token, stop_at) -> dict:
+    """A stop token first emitted at stop_at, with min_tokens past it: masked there, so
+    the output goes on (and may stop later)."""
+    return job("feature_min_tokens", [prompt],
+               {"temperature": 0.0, "max_tokens": 32, "stop_token_ids": [stop_token],
+                "min_tokens": stop_at + 4})
+
+
+def mixed_job(prompts) -> dict:
+    """One batch, one request per feature next to a plain one (greedy)."""
+    per = [GREEDY, {**GREEDY, **FEATURES["penalties"]}, {**GREEDY, **FEATURES["logit_bias"]},
+           {**GREEDY, "logprobs": 2}, {**GREEDY, **FEATURES["allowed"]},
+           {**GREEDY, "min_p": 0.2}]
+    return job("feature_mixed", prompts[:len(per)], per)
+
+
+def sampled_mix_job() -> dict:
+    return job("sampled_mix", [p for p, _ in SAMPLED_MIX],
+               [{"temperature": 1.0, "max_tokens": 3, "n": SAMPLES, "ignore_eos": True,
+                 **extra} for _, extra in SAMPLED_MIX])
+
+
+def outputs(run: dict, name: str) -> list[dict]:
+    """First completion of every prompt of job ``name`` (run 0)."""
+    return [o[0] for o in run["jobs"][name]["runs"][0]["outputs"]]
+
+
+def logprob_gap(ref: list[dict], got: list[dict]) -> float:
+    """Largest |logprob difference| over every emitted token's entries; the token ids
+    of each position's entries must be the same."""
+    worst = 0.0
+    for a, b in zip(ref, got, strict=True):
+        assert a["logprobs"] and len(a["logprobs"]) == len(b["logprobs"]) == \
+            len(a["token_ids"]), (a, b)
+        for x, y in zip(a["logprobs"], b["logprobs"]):
+            assert set(x) == set(y), (x, y)
+            worst = max(worst, max(abs(x[k] - y[k]) for k in x))
+    return worst
+
+
+def pooled(a: list, b: list, least: int = 20) -> list[list[int]]:
+    """Contingency table of two samples: one row per outcome seen >= ``least`` times in
+    both together (most frequent first), the rest pooled into a last row."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.count(k) + b.count(k)))
+    rows, other = [], [0, 0]
+    for k in keys:
+        x, y = a.count(k), b.count(k)
+        if x + y >= least:
+            rows.append([x, y])
+        else:
+            other[0] += x
+            other[1] += y
+    return rows + ([other] if sum(other) else [])
+
+
+def chi_square(ref: list[tuple], got: list[tuple]) -> tuple[float, float, int]:
+    """(p of the joint, p of the repeat pattern, cells of the joint) for two samples
+    of 3-token outputs (``pooled`` tables).  Pattern: which positions hold the same
+    token (a function of the joint, so its distribution is kept too); it is what
+    penalties counted over the wrong tokens move."""
+    from scipy.stats import chi2_contingency
+
+    def pattern(xs):
+        return [(x[0] == x[1], x[1] == x[2], x[0] == x[2]) for x in xs]
+
+    joint, pat = pooled(ref, got), pooled(pattern(ref), pattern(got))
+    p_pat = chi2_contingency(pat)[1] if len(pat) > 1 else 1.0
+    return chi2_contingency(joint)[1], p_pat, len(joint)
