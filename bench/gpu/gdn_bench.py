@@ -11,6 +11,9 @@ Per (B, batch N), median of --reps CUDA-graph replays (eager too with --eager):
                 gathered by slot, transposed): tree_verify_engine_state_us
   tree commit   state + conv history along a depth-L accepted path
   tree / step   ancestor mask + conv windows (once per step, shared by all layers)
+  engine layer  what the engine runs per layer (gdn/cuda.py GDNTree.forward on vLLM's
+                cache layout: conv + verify launches reading the caches by slot),
+                engine_plan_us its once-per-step plan, engine_commit_us its commit
   chain k=15    vLLM's causal_conv1d_update + fused_sigmoid_gating_delta_rule_update
                 over 16 tokens per request (DFlash chain, state slot per token)
   chain k=B     the same over B+1 tokens (same tokens as the tree)
@@ -32,8 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddtree_patcher.patches.ddtree.payload.core import build_tree  # noqa: E402
 from ddtree_patcher.patches.ddtree.payload.core.gdn_tree import (  # noqa: E402
-    VERIFY_BLOCKS, conv_commit, conv_windows, gdn_gates, tree_conv1d, tree_gdn_commit, tree_gdn_verify,
+    conv_commit, conv_windows, gdn_gates, tree_conv1d, tree_gdn_commit, tree_gdn_verify,
     tree_mask)
+from ddtree_patcher.patches.ddtree.payload.core.gdn_triton import VERIFY_BLOCKS  # noqa: E402
+from ddtree_patcher.patches.ddtree.payload.gdn import cuda as gdn_cuda  # noqa: E402
 
 H, HV, K, V, W = 16, 48, 128, 128, 4
 C = 2 * H * K + HV * V
@@ -149,10 +154,62 @@ def bench_tree(c: dict, reps: int, graph: bool) -> dict:
                         cache[slots].transpose(-1, -2), plan["mask"], scale=K ** -0.5)
 
     verify()
-    return {"tree_step_us": timed(per_step, reps, graph),
+    return {**bench_engine(c, reps, graph), "tree_step_us": timed(per_step, reps, graph),
             "tree_verify_us": timed(verify, reps, graph),
             "tree_verify_engine_state_us": timed(verify_engine_state, reps, graph),
             "tree_commit_us": timed(commit, reps, graph)}
+
+
+def bench_engine(c: dict, reps: int, graph: bool) -> dict:
+    """One layer's step as gdn/cuda.py runs it in the engine: bf16 x [tokens, C], vLLM's
+    caches (conv [slots, C, W-1] bf16, ssm [slots, HV, V, K] bf16) read by slot."""
+    from types import SimpleNamespace
+
+    parents = c["parents"]
+    n, b = parents.shape
+    t, dev = b + 1, parents.device
+    conv = torch.nn.Conv1d(C, C, W, groups=C, bias=False).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        conv.weight.copy_(c["weight"].view(C, 1, W))
+    slots_n = n + 1
+    layer = SimpleNamespace(
+        prefix="layers.0.linear_attn", tp_size=1, num_k_heads=H, num_v_heads=HV,
+        head_k_dim=K, head_v_dim=V, key_dim=H * K, value_dim=HV * V, activation="silu",
+        conv1d=conv, A_log=c["A_log"], dt_bias=c["dt_bias"])
+    conv_state = torch.zeros(slots_n, C, W - 1, dtype=torch.bfloat16, device=dev)
+    conv_state[1:] = c["hist"]
+    ssm = torch.zeros(slots_n, HV, V, K, dtype=torch.bfloat16, device=dev)
+    ssm[1:] = c["h0"].transpose(-1, -2)
+    ts = SimpleNamespace(rows=t, has_tree=torch.ones(n, dtype=torch.int32, device=dev),
+                         mask=tree_mask(parents).to(torch.int8))
+    gdn = gdn_cuda.GDNTree({layer.prefix: layer}, ts, n * t, n, DEPTH, dev)
+    qsl = torch.arange(0, n * t + 1, t, dtype=torch.int32, device=dev)
+    slots = torch.arange(1, n + 1, device=dev).view(n, 1)
+    x = c["x"].reshape(n * t, C)
+    a, bb = c["a"].reshape(n * t, HV), c["b"].reshape(n * t, HV)
+
+    def md():
+        return SimpleNamespace(num_spec_decodes=n, uniform_spec_sequence_length=t,
+                               num_spec_decode_tokens=n * t, num_prefills=0, num_decodes=0,
+                               spec_query_start_loc=qsl, spec_state_indices_tensor=slots,
+                               spec_sequence_masks_cpu=None)
+
+    def plan():
+        gdn.plan(md(), n * t, dev)
+
+    fixed = md()
+    gdn.plan(fixed, n * t, dev)
+
+    def layer_step():
+        gdn.forward(layer, fixed, x, bb, a, conv_state, ssm)
+
+    def commit():
+        gdn._commit_layer(layer.prefix, conv_state, ssm, c["rows"], c["num"], n)
+
+    layer_step()
+    return {"engine_plan_us": timed(plan, reps, graph),
+            "engine_layer_us": timed(layer_step, reps, graph),
+            "engine_commit_us": timed(commit, reps, graph)}
 
 
 def bench_chain(kernels, n: int, tokens: int, reps: int, graph: bool, gen) -> float:
@@ -197,8 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="also time without CUDA graphs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--blocks", default="",
-                    help="also time the verify kernel per launch, e.g. 16x64,16x32,32x32 "
-                         "(rows per chunk x V block; core/gdn_tree.py VERIFY_BLOCKS)")
+                    help="also time the engine layer per verify launch, e.g. 16x4,32x4,64x8 "
+                         "(V block x warps; core/gdn_triton.py VERIFY_BLOCKS)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gdn_bench: needs CUDA")
@@ -214,13 +271,12 @@ def main(argv=None) -> int:
                 case = tree_case(n, b, gen)
                 r.update(bench_tree(case, args.reps, graph))
                 for blk in filter(None, args.blocks.split(",")):
-                    bc, bv = map(int, blk.split("x"))
+                    bv, warps = map(int, blk.split("x"))
                     old = dict(VERIFY_BLOCKS)
-                    VERIFY_BLOCKS.update(bc=bc, bv=bv)
+                    VERIFY_BLOCKS.update(bv=bv, warps=warps)
                     try:
-                        t = bench_tree(case, args.reps, graph)
-                        r[f"verify_{blk}_us"] = t["tree_verify_us"]
-                        r[f"verify_engine_state_{blk}_us"] = t["tree_verify_engine_state_us"]
+                        t = bench_engine(case, args.reps, graph)
+                        r[f"engine_layer_{blk}_us"] = t["engine_layer_us"]
                     finally:
                         VERIFY_BLOCKS.clear()
                         VERIFY_BLOCKS.update(old)
@@ -231,13 +287,14 @@ def main(argv=None) -> int:
                 print(json.dumps(r), flush=True)
     print(f"\nper GDN layer, microseconds (median of {args.reps}); chain kernels: "
           f"{'vLLM' if kernels else 'missing (vLLM not importable)'}")
-    print(f"{'graph':>5} {'N':>3} {'B':>4} {'verify':>8} {'commit':>7} {'step':>6} "
-          f"{'chain15':>8} {'chainB':>8} {'tree/chain15':>12}")
-    for r in rows:
-        tree = r["tree_verify_us"] + r["tree_commit_us"]
+    print(f"{'graph':>5} {'N':>3} {'B':>4} {'layer':>7} {'commit':>7} {'plan':>6} "
+          f"{'api-verify':>10} {'chain15':>8} {'chainB':>8} {'tree/chain15':>12}")
+    for r in rows:  # tree = what one layer adds per step in the engine
+        tree = r["engine_layer_us"] + r["engine_commit_us"]
         c15, cb = r.get("chain_k15_us"), r.get("chain_kB_us")
-        print(f"{str(r['graph']):>5} {r['N']:>3} {r['B']:>4} {r['tree_verify_us']:8.1f} "
-              f"{r['tree_commit_us']:7.1f} {r['tree_step_us']:6.1f} "
+        print(f"{str(r['graph']):>5} {r['N']:>3} {r['B']:>4} {r['engine_layer_us']:7.1f} "
+              f"{r['engine_commit_us']:7.1f} {r['engine_plan_us']:6.1f} "
+              f"{r['tree_verify_us']:10.1f} "
               f"{c15 if c15 is not None else float('nan'):8.1f} "
               f"{cb if cb is not None else float('nan'):8.1f} "
               f"{tree / c15 if c15 else float('nan'):12.2f}")

@@ -239,14 +239,15 @@ def test_triton_kernels_match_torch(kind, b):
 
 
 @needs_triton
-@pytest.mark.parametrize("bc,bv", [(16, 16), (32, 32), (32, None)])
-def test_triton_verify_launch_blocks(bc, bv, monkeypatch):
-    """Every launch the bench sweeps (gdn_tree.VERIFY_BLOCKS) computes the same rows:
-    chunks of 16 or 32 rows (a 41-row tree: 3 / 2 chunks), V blocks of 16, 32 or 64."""
-    import ddtree_patcher.patches.ddtree.payload.core.gdn_tree as gt
+@pytest.mark.parametrize("bv,warps", [(16, 4), (32, 8), (None, None)])
+def test_triton_verify_launch_blocks(bv, warps, monkeypatch):
+    """Every launch the bench sweeps (gdn_triton.VERIFY_BLOCKS) computes the same rows:
+    V blocks of 16 or 32 (80 values: a partial block), 4 or 8 warps, on a 41-row tree
+    (64 padded rows, five doubling steps of the inverse)."""
+    import ddtree_patcher.patches.ddtree.payload.core.gdn_triton as gk
 
-    monkeypatch.setitem(gt.VERIFY_BLOCKS, "bc", bc)
-    monkeypatch.setitem(gt.VERIFY_BLOCKS, "bv", bv)
+    monkeypatch.setitem(gk.VERIFY_BLOCKS, "bv", bv)
+    monkeypatch.setitem(gk.VERIFY_BLOCKS, "warps", warps)
     n, h, hv, kd, vd = 2, 1, 3, 16, 80
     parents = make_parents("ddtree", n, 40, seed=5).to(DEV)
     x = {k: v.float().to(DEV) for k, v in make_inputs(n, 41, h, hv, kd, vd, 6).items()}

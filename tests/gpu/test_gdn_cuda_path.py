@@ -144,20 +144,23 @@ def test_tree_rows_and_commit_match_the_recurrence(backend, dtype, monkeypatch):
         assert torch.equal(layer.kv_cache[0][s], conv0[s])
 
 
-def test_roots_only_step_commits_at_once():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_roots_only_step_commits_at_once(backend):
     cuda, gt, _ = _mods()
+    dev = device() if backend == "triton" else "cpu"
     gen = torch.Generator().manual_seed(1)
-    layer = Layer("cpu", torch.float32, gen)
-    ts = TreeState(2, 5, "cpu")
-    slots = torch.tensor([[2], [6]])
+    layer = Layer(dev, torch.float32, gen)
+    ts = TreeState(2, 5, dev)
+    slots = torch.tensor([[2], [6]], device=dev)
     md = SimpleNamespace(num_spec_decodes=2, uniform_spec_sequence_length=1,
                          num_spec_decode_tokens=2, num_prefills=0, num_decodes=0,
-                         spec_query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+                         spec_query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32,
+                                                           device=dev),
                          spec_state_indices_tensor=slots, spec_sequence_masks_cpu=None)
-    x, a, b = torch.randn(2, C, generator=gen), torch.randn(2, HV, generator=gen), \
-        torch.randn(2, HV, generator=gen)
+    x, a, b = (torch.randn(2, d, generator=gen).to(dev) for d in (C, HV, HV))
     gdn = cuda.GDNTree({layer.prefix: layer}, ts, max_tokens=8, max_reqs=2, depth=4,
-                       device="cpu")
+                       device=dev)
+    gdn.backend = backend
     conv0, ssm0 = (t.clone() for t in layer.kv_cache)
     out = cuda.tree_spec_forward(layer, md, x, b, a, *layer.kv_cache)
     for r in range(2):

@@ -44,7 +44,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
+from . import gdn_triton
+from ._triton import use_triton
 from .tree_build import ancestor_mask
 
 L2_EPS = 1e-6
@@ -245,178 +246,45 @@ def tree_gdn_commit(h0, stash: GDNStash, accepted_rows, num_accepted, out=None,
 
 
 # ------------------------------------------------------------------ triton
+# the kernels live in gdn_triton.py; these run them on [N, T, ...] tensors
 
-if HAS_TRITON:
 
-    @triton.jit
-    def _conv_kernel(x_ptr, h_ptr, w_ptr, b_ptr, win_ptr, y_ptr,
-                     T, C, sxn, sxt, shn, shc, shw, swc, sww, syn, syt,
-                     W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                     BC: tl.constexpr):
-        n = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1).to(tl.int64)
-        c = tl.program_id(2) * BC + tl.arange(0, BC)
-        cm = c < C
-        acc = tl.zeros([BC], dtype=tl.float32)
-        for w in tl.static_range(W):
-            e = tl.load(win_ptr + (n * T + t) * W + w)
-            # a history column, else row e - (W - 1)
-            val = tl.load(h_ptr + n * shn + c * shc + e * shw, mask=cm & (e < W - 1),
-                          other=0.0)
-            val += tl.load(x_ptr + n * sxn + (e - (W - 1)) * sxt + c,
-                           mask=cm & (e >= W - 1), other=0.0)
-            acc += val.to(tl.float32) * tl.load(w_ptr + c * swc + w * sww, mask=cm,
-                                                other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        tl.store(y_ptr + n * syn + t * syt + c, acc.to(y_ptr.dtype.element_ty), mask=cm)
-
-    @triton.jit
-    def _verify_kernel(q_ptr, k_ptr, v_ptr, G_ptr, b_ptr, h0_ptr, m_ptr, o_ptr, u_ptr,
-                       HV, H, svn, svt, svh, shn, shh, shk, shv, T: tl.constexpr,
-                       K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
-                       BV: tl.constexpr):
-        # One program per (request, value head, V block); q, k are normalised and
-        # scaled, G summed along the path (contiguous float32).  Rows go in chunks of
-        # BC, parents first: a chunk's u needs only earlier rows (block forward
-        # substitution); inside the chunk the solve runs row by row in registers.
-        # u of earlier chunks is read back from u_ptr (this program wrote it).  Loop
-        # bounds are compile-time (T = B + 1 is fixed per engine): the interpreter
-        # takes no runtime bounds.
-        n = tl.program_id(0).to(tl.int64)
-        hv = tl.program_id(1).to(tl.int64)
-        ov = tl.program_id(2) * BV + tl.arange(0, BV)
-        ovm = ov < V
-        kh = hv // (HV // H)
-        ok = tl.arange(0, K)
-        oc = tl.arange(0, BC)
-        h0 = tl.load(h0_ptr + n * shn + hv * shh + ok[:, None] * shk + ov[None, :] * shv,
-                     mask=ovm[None, :], other=0.0).to(tl.float32)  # [K, BV]
-        for c0 in range(0, T, BC):
-            rc = c0 + oc
-            rm = rc < T
-            kc = tl.load(k_ptr + ((n * T + rc[:, None]) * H + kh) * K + ok[None, :],
-                         mask=rm[:, None], other=0.0)
-            qc = tl.load(q_ptr + ((n * T + rc[:, None]) * H + kh) * K + ok[None, :],
-                         mask=rm[:, None], other=0.0)
-            Gc = tl.load(G_ptr + (n * T + rc) * HV + hv, mask=rm, other=0.0)
-            bc = tl.load(b_ptr + (n * T + rc) * HV + hv, mask=rm, other=0.0)
-            vc = tl.load(v_ptr + n * svn + rc[:, None] * svt + hv * svh + ov[None, :],
-                         mask=rm[:, None] & ovm[None, :], other=0.0).to(tl.float32)
-            eg = tl.exp(Gc)
-            r = bc[:, None] * (vc - eg[:, None] * tl.dot(kc, h0, input_precision="ieee"))
-            o = eg[:, None] * tl.dot(qc, h0, input_precision="ieee")
-            for p0 in range(0, c0, BC):  # earlier chunks (all rows valid)
-                rp = p0 + oc
-                mp = tl.load(m_ptr + (n * T + rc[:, None]) * T + rp[None, :],
-                             mask=rm[:, None], other=0) != 0
-                Gp = tl.load(G_ptr + (n * T + rp) * HV + hv)
-                kp = tl.load(k_ptr + ((n * T + rp[:, None]) * H + kh) * K + ok[None, :])
-                up = tl.load(u_ptr + ((n * T + rp[:, None]) * HV + hv) * V + ov[None, :],
-                             mask=ovm[None, :], other=0.0)
-                dec = tl.where(mp, tl.exp(Gc[:, None] - Gp[None, :]), 0.0)
-                kk = tl.dot(kc, tl.trans(kp), input_precision="ieee")
-                qk = tl.dot(qc, tl.trans(kp), input_precision="ieee")
-                r -= bc[:, None] * tl.dot(dec * kk, up, input_precision="ieee")
-                o += tl.dot(dec * qk, up, input_precision="ieee")
-            md = tl.load(m_ptr + (n * T + rc[:, None]) * T + rc[None, :],
-                         mask=rm[:, None] & rm[None, :], other=0) != 0
-            dd = tl.where(md, tl.exp(Gc[:, None] - Gc[None, :]), 0.0)
-            kk = tl.dot(kc, tl.trans(kc), input_precision="ieee")
-            a = tl.where(oc[:, None] > oc[None, :], dd * kk, 0.0) * bc[:, None]
-            u = r  # (I + A) u = r, A strictly lower
-            for i in range(BC):
-                sel = oc[:, None] == i
-                ai = tl.sum(tl.where(sel, a, 0.0), 0)
-                ui = tl.sum(tl.where(sel, r, 0.0), 0) - tl.sum(ai[:, None] * u, 0)
-                u = tl.where(sel, ui[None, :], u)
-            o += tl.dot(dd * tl.dot(qc, tl.trans(kc), input_precision="ieee"), u,
-                        input_precision="ieee")
-            tl.store(u_ptr + ((n * T + rc[:, None]) * HV + hv) * V + ov[None, :], u,
-                     mask=rm[:, None] & ovm[None, :])
-            tl.store(o_ptr + ((n * T + rc[:, None]) * HV + hv) * V + ov[None, :], o,
-                     mask=rm[:, None] & ovm[None, :])
-            tl.debug_barrier()  # this chunk's u is read by the next ones
-
-    @triton.jit
-    def _commit_kernel(h0_ptr, k_ptr, u_ptr, G_ptr, rows_ptr, na_ptr, out_ptr,
-                       T, HV, H, shn, shh, shk, shv, son, soh, sok, sov,
-                       L1: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BV: tl.constexpr):
-        n = tl.program_id(0).to(tl.int64)
-        hv = tl.program_id(1).to(tl.int64)
-        ov = tl.program_id(2) * BV + tl.arange(0, BV)
-        ovm = ov < V
-        ok = tl.arange(0, K)
-        kh = hv // (HV // H)
-        a = tl.load(na_ptr + n)
-        last = tl.load(rows_ptr + n * L1 + a)
-        Ga = tl.load(G_ptr + (n * T + last) * HV + hv)
-        s = tl.exp(Ga) * tl.load(h0_ptr + n * shn + hv * shh + ok[:, None] * shk +
-                                 ov[None, :] * shv, mask=ovm[None, :], other=0.0).to(tl.float32)
-        for j in range(L1):
-            on = j <= a
-            r = tl.load(rows_ptr + n * L1 + j, mask=on, other=0)
-            w = tl.where(on, tl.exp(Ga - tl.load(G_ptr + (n * T + r) * HV + hv)), 0.0)
-            kr = tl.load(k_ptr + ((n * T + r) * H + kh) * K + ok)
-            ur = tl.load(u_ptr + ((n * T + r) * HV + hv) * V + ov, mask=ovm, other=0.0)
-            s += w * kr[:, None] * ur[None, :]
-        tl.store(out_ptr + n * son + hv * soh + ok[:, None] * sok + ov[None, :] * sov,
-                 s.to(out_ptr.dtype.element_ty), mask=ovm[None, :])
+def _rows(n: int, t: int, dev) -> torch.Tensor:
+    return torch.arange(n * t, device=dev).view(n, t)
 
 
 def _tree_conv1d_triton(x, hist, weight, bias, windows, silu):
     n, t, c = x.shape
-    if x.stride(2) != 1:
-        x = x.contiguous()
+    x = x.contiguous()
     y = torch.empty(n, t, c, dtype=x.dtype, device=x.device)
-    bc = min(256, next_pow2(c))
-    _conv_kernel[(n, t, triton.cdiv(c, bc))](
-        x, hist, weight, bias if bias is not None else weight, windows.contiguous(), y,
-        t, c, x.stride(0), x.stride(1), *hist.stride(), *weight.stride(),
-        y.stride(0), y.stride(1), W=weight.shape[1], HAS_BIAS=bias is not None,
-        SILU=silu, BC=bc)
-    return y
-
-
-# the verify kernel's launch: rows per chunk (bc) and the V block of a program (bv;
-# None: min(64, V)).  bench/gpu/gdn_bench.py --blocks sweeps them (run 13: 274 us per
-# layer in the Qwen3.6-27B engine at B = 16 with the defaults, 96 programs at one request)
-VERIFY_BLOCKS = {"bc": 16, "bv": None}
+    return gdn_triton.conv1d(x.view(n * t, c), _rows(n, t, x.device), hist,
+                             torch.arange(n, device=x.device), weight, bias, windows, silu,
+                             y)
 
 
 def _verify_triton(q, k, v, g, beta, h0, mask, scale, l2):
     n, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
-    if kd != next_pow2(kd) or kd < 16 or vd < 16:
-        raise NotImplementedError(f"tree GDN kernel: head sizes K={kd}, V={vd} (K a "
-                                  "power of 2, both >= 16)")
-    q, k = q.float(), k.float()
-    if l2:
-        q, k = l2norm(q), l2norm(k)
-    q, k = (q * scale).contiguous(), k.contiguous()
-    G = torch.einsum("nts,nsh->nth", mask.float(), g.float()).contiguous()
-    beta = beta.float().contiguous()
-    o = torch.empty(n, t, hv, vd, dtype=torch.float32, device=q.device)
-    u = torch.empty_like(o)
-    bv = min(VERIFY_BLOCKS["bv"] or 64, next_pow2(vd))
-    _verify_kernel[(n, hv, triton.cdiv(vd, bv))](
-        q, k, v, G, beta, h0, mask.contiguous().view(torch.int8), o, u, hv, h,
-        v.stride(0), v.stride(1), v.stride(2), *h0.stride(), T=t, K=kd, V=vd,
-        BC=VERIFY_BLOCKS["bc"], BV=bv)
-    return o, GDNStash(k, u, G)
+    dev = q.device
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty(n * t, hv, vd, dtype=torch.float32, device=dev)
+    stash = GDNStash(torch.empty(n * t, h, kd, dtype=torch.float32, device=dev),
+                     torch.empty(n * t, hv, vd, dtype=torch.float32, device=dev),
+                     torch.empty(n * t, hv, dtype=torch.float32, device=dev))
+    rows = _rows(n, t, dev)
+    gdn_triton.verify(q, k, v, g.reshape(n * t, hv).contiguous(),
+                      beta.reshape(n * t, hv).contiguous(), rows,
+                      mask.contiguous().view(torch.int8), h0, torch.arange(n, device=dev),
+                      o, rows, stash, rows, scale, l2=l2)
+    return o.view(n, t, hv, vd), GDNStash(stash.k.view(n, t, h, kd),
+                                          stash.u.view(n, t, hv, vd), stash.G.view(n, t, hv))
 
 
 def _commit_triton(h0, stash, accepted_rows, num_accepted, out):
-    n, hv, kd, vd = h0.shape
-    t, h = stash.k.shape[1], stash.k.shape[2]
-    if out is None:
-        out = torch.empty_like(h0)
-    bv = min(64, next_pow2(vd))
-    rows = accepted_rows.to(torch.int64).contiguous()
-    _commit_kernel[(n, hv, triton.cdiv(vd, bv))](
-        h0, stash.k, stash.u, stash.G, rows, num_accepted.to(torch.int64).contiguous(), out,
-        t, hv, h, *h0.stride(), *out.stride(), L1=rows.shape[1], K=kd, V=vd, BV=bv)
+    n, t = stash.G.shape[:2]
+    out = torch.empty_like(h0) if out is None else out
+    flat = GDNStash(*(x.reshape(n * t, *x.shape[2:]) for x in stash))
+    gdn_triton.commit(h0, torch.arange(n, device=h0.device), flat,
+                      torch.arange(n, device=h0.device) * t,
+                      accepted_rows.clamp(min=0), num_accepted, out=out)
     return out

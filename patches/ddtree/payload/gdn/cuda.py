@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import gdn_triton
+from ..core._triton import use_triton
 from ..core.gdn_tree import (GDNStash, gdn_gates, tree_conv1d, tree_gdn_commit,
                              tree_gdn_verify)
 
@@ -86,6 +88,8 @@ class GDNTree:
         self._seen = -1  # step of the last forward that ran in Python (eager)
         self._rows_map = None  # batch row of each speculative row, that step
         self._n = 0
+        self._graph_key, self._graphs = None, {}  # the commit's CUDA graphs, by batch size
+        self._rows_buf = self._num_buf = None
         m, dev = max_tokens + 1, device
         self.qsl = torch.zeros(max_reqs + 1, dtype=torch.int64, device=dev)
         self.slots = {}  # prefix -> [max_reqs] int64 state slot of each spec row
@@ -162,7 +166,9 @@ class GDNTree:
                             torch.full_like(index, self.max_tokens)).reshape(-1)
         self.qsl[: n + 1].copy_(qsl)
         self.windows[write] = windows.reshape(-1, self.width)
-        plan = _Plan(n, t, rows_map, index, valid, mask, windows, write)
+        orow = torch.where(valid, index, tokens)
+        plan = _Plan(n, t, rows_map, index, valid, mask, windows, write,
+                     orow, mask.to(torch.int8), write.view(n, t))
         md.ddtree_gdn_plan = plan
         self._seen, self._rows_map, self._n = self.step_id, rows_map, n
         return plan
@@ -185,34 +191,69 @@ class GDNTree:
                 f"DDTree GDN: layer {name} keeps {conv_state.shape[-1]} conv state "
                 f"columns, the tree path needs {w - 1} (one slot per request: is the "
                 "ddtree-gdn hook of gdn/base.py applied?)")
-        x = x_all[p.index]  # [N, T, C]
         slots = md.spec_state_indices_tensor[:n, 0].long()
         self.slots[name][:n].copy_(slots)
-        hist = conv_state[slots, :, : w - 1]  # [N, C, W-1]
-        weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
-        y = tree_conv1d(x, hist, weight, layer.conv1d.bias, p.windows,
-                        silu=layer.activation == "silu", backend=self.backend)
         tp = layer.tp_size
         nk, nv = layer.num_k_heads // tp, layer.num_v_heads // tp
         kd, vd = layer.head_k_dim, layer.head_v_dim
+        weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
+        silu = layer.activation == "silu"
+        fwd = self._forward_triton if use_triton(x_all, self.backend) else \
+            self._forward_torch
+        out = fwd(layer, p, buf, x_all, b, a, conv_state, ssm_state,
+                                      weight, silu, (nk, nv, kd, vd))
+        if t == 1:  # roots only: no walk follows, commit now
+            zero = torch.zeros(n, dtype=torch.int64, device=dev)
+            self._commit_layer(name, conv_state, ssm_state, zero[:, None], zero, n)
+        return out[:tokens].unsqueeze(0)
+
+    def _forward_triton(self, layer, p, buf, x_all, b, a, conv_state, ssm_state, weight,
+                        silu, dims):
+        """Two launches: the conv (which also stashes each row's input) and the verify
+        (gates, l2 norm, the delta rule; o straight to the output rows, the stash to
+        its rows), reading x, a, b and the caches in place."""
+        nk, nv, kd, vd = dims
+        n, t, w = p.n, p.t, self.width
+        tokens = x_all.shape[0]
+        slots = self.slots[layer.prefix][:n]
+        x_all = x_all if x_all.stride(1) == 1 else x_all.contiguous()
+        y = torch.empty(n, t, x_all.shape[1], dtype=x_all.dtype, device=x_all.device)
+        gdn_triton.conv1d(x_all, p.index, conv_state, slots, weight, layer.conv1d.bias,
+                          p.windows, silu, y, x_stash=buf.x, srow=p.srow)
+        q = y[..., : nk * kd].unflatten(2, (nk, kd))
+        k = y[..., nk * kd: 2 * nk * kd].unflatten(2, (nk, kd))
+        v = y[..., 2 * nk * kd:].unflatten(2, (nv, vd))
+        a = a if a.stride(-1) == 1 else a.contiguous()
+        b = b if b.stride(-1) == 1 else b.contiguous()
+        out = torch.zeros(tokens + 1, nv, vd, dtype=x_all.dtype, device=x_all.device)
+        return gdn_triton.verify(q, k, v, a, b, p.index, p.mask8, ssm_state, slots, out,
+                                 p.orow, (buf.k, buf.u, buf.G), p.srow, kd ** -0.5,
+                                 A_log=layer.A_log, dt_bias=layer.dt_bias, state_kv=False)
+
+    def _forward_torch(self, layer, p, buf, x_all, b, a, conv_state, ssm_state, weight,
+                       silu, dims):
+        nk, nv, kd, vd = dims
+        n, t, w = p.n, p.t, self.width
+        tokens = x_all.shape[0]
+        slots = self.slots[layer.prefix][:n]
+        x = x_all[p.index]  # [N, T, C]
+        hist = conv_state[slots, :, : w - 1]  # [N, C, W-1]
+        y = tree_conv1d(x, hist, weight, layer.conv1d.bias, p.windows, silu=silu,
+                        backend="torch")
         q = y[..., : nk * kd].reshape(n, t, nk, kd)
         k = y[..., nk * kd: 2 * nk * kd].reshape(n, t, nk, kd)
         v = y[..., 2 * nk * kd:].reshape(n, t, nv, vd)
         g, beta = gdn_gates(a[p.index], b[p.index], layer.A_log, layer.dt_bias)
         h0 = ssm_state[slots].transpose(-1, -2)  # [N, HV, K, V]
         o, stash = tree_gdn_verify(q, k, v, g, beta, h0, p.mask, scale=kd ** -0.5,
-                                   backend=self.backend)
+                                   backend="torch")
         buf.x[p.write] = x.reshape(n * t, -1)
         buf.k[p.write] = stash.k.reshape(n * t, nk, kd)
         buf.u[p.write] = stash.u.reshape(n * t, nv, vd)
         buf.G[p.write] = stash.G.reshape(n * t, nv)
-        out = torch.zeros(tokens + 1, nv, vd, dtype=x_all.dtype, device=dev)
-        out[torch.where(p.valid, p.index, tokens).reshape(-1)] = \
-            o.reshape(n * t, nv, vd).to(out.dtype)
-        if t == 1:  # roots only: no walk follows, commit now
-            zero = torch.zeros(n, dtype=torch.int64, device=dev)
-            self._commit_layer(name, conv_state, ssm_state, zero[:, None], zero, n)
-        return out[:tokens].unsqueeze(0)
+        out = torch.zeros(tokens + 1, nv, vd, dtype=x_all.dtype, device=x_all.device)
+        out[p.orow.reshape(-1)] = o.reshape(n * t, nv, vd).to(out.dtype)
+        return out
 
     # ------------------------------------------------------------------ commit
     def commit(self, accepted_rows: torch.Tensor, num_accepted: torch.Tensor,
@@ -226,22 +267,59 @@ class GDNTree:
         else:  # speculative rows = the first batch rows (FULL graphs: always)
             rows, num, m = accepted_rows[:n], num_accepted[:n], n
         rows, num = rows.long(), num.long()
+        if rows.is_cuda and use_triton(rows, self.backend) and \
+                not torch.cuda.is_current_stream_capturing():
+            self._commit_graphed(rows, num, m)
+        else:
+            self._commit_all(rows, num, m)
+
+    def _commit_all(self, rows, num, n) -> None:
         for name, layer in self.layers.items():
             kv = layer.kv_cache
             conv = kv[0] if _dim_first() else kv[0].transpose(-1, -2)
-            self._commit_layer(name, conv, kv[1], rows, num, m)
+            self._commit_layer(name, conv, kv[1], rows, num, n)
+
+    def _commit_graphed(self, rows, num, n) -> None:
+        """All layers' commits (two launches each) replayed from one CUDA graph per
+        batch size: the commit runs after the walk, outside the step's graphs.  A
+        batch size's first commit runs eagerly (compiling the kernels) and is then
+        captured; the graphs read fixed buffers and are dropped when vLLM re-binds its
+        caches."""
+        l1 = rows.shape[1]
+        key = tuple(t.data_ptr() for layer in self.layers.values() for t in layer.kv_cache)
+        if self._graph_key != (l1, key):
+            self._graph_key, self._graphs = (l1, key), {}
+            self._rows_buf = torch.zeros(self.max_reqs, l1, dtype=torch.int64,
+                                         device=rows.device)
+            self._num_buf = torch.zeros(self.max_reqs, dtype=torch.int64, device=rows.device)
+        self._rows_buf[:n].copy_(rows)
+        self._num_buf[:n].copy_(num)
+        g = self._graphs.get(n)
+        if g is not None:
+            g.replay()
+            return
+        self._commit_all(self._rows_buf[:n], self._num_buf[:n], n)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):  # recorded, not run
+            self._commit_all(self._rows_buf[:n], self._num_buf[:n], n)
+        self._graphs[n] = g
 
     def _commit_layer(self, name, conv_state, ssm_state, rows, num, n) -> None:
         buf, w = self.bufs[name], self.width
         qsl = self.qsl[:n]
+        slots = self.slots[name][:n]
+        if use_triton(ssm_state, self.backend):  # two launches, in place
+            gdn_triton.commit(ssm_state, slots, (buf.k, buf.u, buf.G), qsl, rows, num,
+                              state_kv=False)
+            gdn_triton.conv_commit(conv_state, slots, buf.x, self.windows, qsl, rows, num)
+            return
         j = torch.arange(rows.shape[1], device=rows.device)
         on = j[None, :] <= num[:, None]
         tok = torch.where(on, qsl[:, None] + rows.clamp(min=0), self.max_tokens)  # [N, J]
         stash = GDNStash(buf.k[tok], buf.u[tok], buf.G[tok])
-        slots = self.slots[name][:n]
         h0 = ssm_state[slots].transpose(-1, -2)
         state = tree_gdn_commit(h0, stash, j.expand(n, -1).contiguous(), num,
-                                backend=self.backend)
+                                backend="torch")
         # conv: the last accepted row's window without its oldest entry
         last = qsl + rows.gather(1, num[:, None])[:, 0]
         idx = self.windows[last][:, 1:]  # [N, W-1] into [history, rows]
@@ -264,6 +342,9 @@ class _Plan:
     mask: torch.Tensor  # [N, T, T] ancestor-or-self (pads: self only)
     windows: torch.Tensor  # [N, T, W]
     write: torch.Tensor  # [N * T] flat stash row of each verify row (pads: dump row)
+    orow: torch.Tensor  # [N, T] output row of each verify row (pads: row ``tokens``)
+    mask8: torch.Tensor  # mask as int8 (the kernels')
+    srow: torch.Tensor  # write as [N, T]
 
 
 def _dim_first() -> bool:
