@@ -8,7 +8,8 @@
 # in .gpu-b2); .whl: libcst and this project's wheel (the device has click, not libcst).
 # Stages: install (bundle + record_trim + the tool), apply (status, apply, verify),
 # tests (GPU tests of the GDN path), eq / eqg (equality_gdn eager / FULL graphs),
-# eqb (bf16 with the DFlash control), bench (GDN layer: tree vs chain).
+# eqb (bf16 with the DFlash control), bench (GDN layer: tree vs chain), step (27B-shape
+# step, STEP_CONFIGS one process each).  VERIFY=0: apply without `verify`.
 # Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -36,7 +37,8 @@ for s in ${STAGES:-install apply tests eq}; do
     apply)
       stamp apply
       (cd /tmp && $DDT status --python python3; $DDT apply --python python3; echo "apply rc=$?"
-       timeout $(left 300) $DDT verify --python python3; echo "verify rc=$?") 2>&1 | tee "$OUT/apply_verify.txt" | tail -40 ;;
+       if [ "${VERIFY:-1}" = 1 ]; then timeout $(left 300) $DDT verify --python python3; echo "verify rc=$?"; fi
+      ) 2>&1 | tee "$OUT/apply_verify.txt" | tail -40 ;;
     tests)
       stamp tests
       timeout $(left ${T_TESTS:-240}) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gdn_cuda_path.py \
@@ -59,6 +61,13 @@ for s in ${STAGES:-install apply tests eq}; do
     bench)
       stamp gdn bench
       timeout $(left ${T_BENCH:-200}) python3 bench/gpu/gdn_bench.py --out "$OUT/gdn_bench.json" ${GDN_BENCH_ARGS:-} 2>&1 | tail -30 ;;
+    step)  # the 27B-shape step bench, one process per config (teardown keeps GPU memory)
+      for cfg in ${STEP_CONFIGS:-dflash ddtree16}; do
+        stamp step $cfg
+        timeout $(left ${T_STEP:-300}) python3 bench/gpu/gdn_step_bench.py "$OUT/step_$cfg" $cfg \
+          --batches ${STEP_BATCHES:-1,2} --rounds ${STEP_ROUNDS:-3} > "$OUT/step_$cfg.txt" 2>&1
+        grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/step_$cfg.txt" | tail -6
+      done ;;
   esac
 done
 stamp done
