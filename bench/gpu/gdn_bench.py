@@ -254,8 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="also time without CUDA graphs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--blocks", default="",
-                    help="also time the engine layer per verify launch, e.g. 16x4,32x4,64x8 "
-                         "(V block x warps; core/gdn_triton.py VERIFY_BLOCKS)")
+                    help="also time the engine layer per verify launch, e.g. 32x32x4,64x32x8 "
+                         "(rows per chunk x V block x warps; core/gdn_triton.py "
+                         "VERIFY_BLOCKS)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gdn_bench: needs CUDA")
@@ -271,9 +272,9 @@ def main(argv=None) -> int:
                 case = tree_case(n, b, gen)
                 r.update(bench_tree(case, args.reps, graph))
                 for blk in filter(None, args.blocks.split(",")):
-                    bv, warps = map(int, blk.split("x"))
+                    bc, bv, warps = map(int, blk.split("x"))
                     old = dict(VERIFY_BLOCKS)
-                    VERIFY_BLOCKS.update(bv=bv, warps=warps)
+                    VERIFY_BLOCKS.update(bc=bc, bv=bv, warps=warps)
                     try:
                         t = bench_engine(case, args.reps, graph)
                         r[f"engine_layer_{blk}_us"] = t["engine_layer_us"]

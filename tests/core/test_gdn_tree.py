@@ -239,13 +239,14 @@ def test_triton_kernels_match_torch(kind, b):
 
 
 @needs_triton
-@pytest.mark.parametrize("bv,warps", [(16, 4), (32, 8), (None, None)])
-def test_triton_verify_launch_blocks(bv, warps, monkeypatch):
+@pytest.mark.parametrize("bc,bv,warps", [(16, 16, 4), (32, 32, 8), (64, None, None)])
+def test_triton_verify_launch_blocks(bc, bv, warps, monkeypatch):
     """Every launch the bench sweeps (gdn_triton.VERIFY_BLOCKS) computes the same rows:
-    V blocks of 16 or 32 (80 values: a partial block), 4 or 8 warps, on a 41-row tree
-    (64 padded rows, five doubling steps of the inverse)."""
+    a 41-row tree in chunks of 16, 32 or 64 rows (3 / 2 / 1), V blocks of 16 or 32 (80
+    values: a partial block), 4 or 8 warps."""
     import ddtree_patcher.patches.ddtree.payload.core.gdn_triton as gk
 
+    monkeypatch.setitem(gk.VERIFY_BLOCKS, "bc", bc)
     monkeypatch.setitem(gk.VERIFY_BLOCKS, "bv", bv)
     monkeypatch.setitem(gk.VERIFY_BLOCKS, "warps", warps)
     n, h, hv, kd, vd = 2, 1, 3, 16, 80

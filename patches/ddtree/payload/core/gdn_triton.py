@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, next_pow2, tl, triton
+from ._triton import HAS_TRITON, interpreting, next_pow2, tl, triton
 
 L2_EPS = 1e-6
 
-# launch knobs of the verify: the V block of a program (None: 32) and its warps (None:
-# 4 up to 32 rows, else 8).  bench/gpu/gdn_bench.py --blocks sweeps them.
-VERIFY_BLOCKS = {"bv": None, "warps": None}
+# launch knobs of the verify: rows per chunk (bc), the V block of a program (None: 32),
+# its warps (None: 4 up to 32 rows a chunk, else 8) and the precision of its float32 dots (tf32x3: tensor cores,
+# about float32's error; ieee: CUDA cores).  bench/gpu/gdn_kernel_probe.py sweeps them.
+VERIFY_BLOCKS = {"bc": 32, "bv": None, "warps": None, "prec": "tf32x3"}
+LAST = {}  # the last compiled verify launch (the bench reads its registers and spills)
 
 if HAS_TRITON:
 
@@ -62,30 +64,23 @@ if HAS_TRITON:
             tl.store(xs_ptr + sr * sxs + c, tl.load(x_ptr + tk * sx + c, mask=cm), mask=cm)
 
     @triton.jit
-    def _verify_kernel(q_ptr, k_ptr, v_ptr, sqn, sqt, sqh, svn, svt, svh,
-                       a_ptr, b_ptr, sa, sb, tok_ptr, alog_ptr, dtb_ptr, m_ptr,
-                       h_ptr, slot_ptr, shs, shh, shk, shv, o_ptr, orow_ptr, sor, soh,
-                       sk_ptr, su_ptr, sg_ptr, srow_ptr, skr, sur, sgr, scale, HV, H,
-                       T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr,
-                       V: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr,
-                       GATES: tl.constexpr, L2: tl.constexpr):
-        # one program per (request, value head, V block); every row of the tree at once
-        n = tl.program_id(0).to(tl.int64)
-        hv = tl.program_id(1).to(tl.int64)
-        vb = tl.program_id(2)
-        kh = hv // (HV // H)
-        rt = tl.arange(0, TP)
-        rm = rt < T
-        ok = tl.arange(0, K)
-        q = tl.load(q_ptr + n * sqn + rt[:, None] * sqt + kh * sqh + ok[None, :],
-                    mask=rm[:, None], other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + n * sqn + rt[:, None] * sqt + kh * sqh + ok[None, :],
-                    mask=rm[:, None], other=0.0).to(tl.float32)
+    def _rows(q_ptr, k_ptr, a_ptr, b_ptr, sa, sb, tok_ptr, alog_ptr, dtb_ptr, n, hv, kh,
+              sqn, sqt, sqh, scale, rc, rm, ok, T: tl.constexpr, GATES: tl.constexpr,
+              L2: tl.constexpr):
+        # one chunk of rows: raw q, k, their l2 scales (q's times scale), g, beta
+        qr = tl.load(q_ptr + n * sqn + rc[:, None] * sqt + kh * sqh + ok[None, :],
+                     mask=rm[:, None], other=0.0)
+        kr = tl.load(k_ptr + n * sqn + rc[:, None] * sqt + kh * sqh + ok[None, :],
+                     mask=rm[:, None], other=0.0)
         if L2:
-            q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-            k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        q = q * scale
-        tok = tl.load(tok_ptr + n * T + rt, mask=rm, other=0)
+            qf = qr.to(tl.float32)
+            kf = kr.to(tl.float32)
+            rq = tl.rsqrt(tl.sum(qf * qf, 1) + 1e-6) * scale
+            rk = tl.rsqrt(tl.sum(kf * kf, 1) + 1e-6)
+        else:
+            rq = tl.where(rm, 1.0, 1.0) * scale
+            rk = tl.where(rm, 1.0, 1.0)
+        tok = tl.load(tok_ptr + n * T + rc, mask=rm, other=0)
         g = tl.load(a_ptr + tok * sa + hv, mask=rm, other=0.0).to(tl.float32)
         beta = tl.load(b_ptr + tok * sb + hv, mask=rm, other=0.0).to(tl.float32)
         if GATES:  # vLLM's fused_gdn_gating
@@ -93,42 +88,101 @@ if HAS_TRITON:
             sp = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
             g = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * sp
             beta = tl.sigmoid(beta)
-        g = tl.where(rm, g, 0.0)
-        beta = tl.where(rm, beta, 0.0)
-        mk = tl.load(m_ptr + (n * T + rt[:, None]) * T + rt[None, :],
-                     mask=rm[:, None] & rm[None, :], other=0) != 0
-        G = tl.sum(tl.where(mk, g[None, :], 0.0), 1)  # along the path
-        dec = tl.where(mk, tl.exp(G[:, None] - G[None, :]), 0.0)
-        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
-        A = tl.where(rt[:, None] > rt[None, :], dec * kk, 0.0) * beta[:, None]
-        P = -A
-        M = tl.where(rt[:, None] == rt[None, :], 1.0, 0.0) + P
-        for _ in tl.static_range(NSQ):  # M = (I - A)(I + A^2)(I + A^4)...
-            P = tl.dot(P, P, input_precision="ieee")
-            M = M + tl.dot(M, P, input_precision="ieee")
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * dec
+        return qr, kr, rq, rk, tl.where(rm, g, 0.0), tl.where(rm, beta, 0.0)
+
+    @triton.jit
+    def _dot(a, b, NATIVE: tl.constexpr, PREC: tl.constexpr):
+        # 16-bit operands: their own dot (exact products, float32 sums); else PREC
+        if NATIVE:
+            return tl.dot(a, b)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+    @triton.jit
+    def _verify_kernel(q_ptr, k_ptr, v_ptr, sqn, sqt, sqh, svn, svt, svh,
+                       a_ptr, b_ptr, sa, sb, tok_ptr, alog_ptr, dtb_ptr, m_ptr,
+                       h_ptr, slot_ptr, shs, shh, shk, shv, o_ptr, orow_ptr, sor, soh,
+                       sk_ptr, su_ptr, sg_ptr, srow_ptr, skr, sur, sgr, scale, HV, H,
+                       T: tl.constexpr, BC: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr,
+                       GATES: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+                       NATIVE_QK: tl.constexpr, NATIVE_H: tl.constexpr):
+        # One program per (request, value head, V block).  Rows go in chunks of BC,
+        # parents first: a chunk's u needs the u of earlier chunks (read back from the
+        # stash: this program wrote them) and its own block's inverse, by doubling.
+        # G and u of earlier chunks are written by every V block's program alike (the
+        # same G, each its own u columns), so reading them back races with nobody.
+        n = tl.program_id(0).to(tl.int64)
+        hv = tl.program_id(1).to(tl.int64)
+        vb = tl.program_id(2)
+        kh = hv // (HV // H)
+        oc = tl.arange(0, BC)
+        ok = tl.arange(0, K)
         slot = tl.load(slot_ptr + n)
         ov = vb * BV + tl.arange(0, BV)
         ovm = ov < V
         h0 = tl.load(h_ptr + slot * shs + hv * shh + ok[:, None] * shk + ov[None, :] * shv,
-                     mask=ovm[None, :], other=0.0).to(tl.float32)  # [K, BV]
-        vm = rm[:, None] & ovm[None, :]
-        v = tl.load(v_ptr + n * svn + rt[:, None] * svt + hv * svh + ov[None, :], mask=vm,
-                    other=0.0).to(tl.float32)
-        eg = tl.exp(G)
-        r = beta[:, None] * (v - eg[:, None] * tl.dot(k, h0, input_precision="ieee"))
-        u = tl.dot(M, r, input_precision="ieee")
-        o = eg[:, None] * tl.dot(q, h0, input_precision="ieee") + \
-            tl.dot(qk, u, input_precision="ieee")
-        orow = tl.load(orow_ptr + n * T + rt, mask=rm, other=0)
-        tl.store(o_ptr + orow[:, None] * sor + hv * soh + ov[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=vm)
-        srow = tl.load(srow_ptr + n * T + rt, mask=rm, other=0)
-        tl.store(su_ptr + srow[:, None] * sur + hv * V + ov[None, :], u, mask=vm)
+                     mask=ovm[None, :], other=0.0)  # [K, BV]
+        if not NATIVE_H:
+            h0 = h0.to(tl.float32)
         first = vb == 0
-        tl.store(sg_ptr + srow * sgr + hv, G, mask=rm & first)
-        tl.store(sk_ptr + srow[:, None] * skr + kh * K + ok[None, :], k,
-                 mask=rm[:, None] & (first & (hv % (HV // H) == 0)))
+        for c0 in tl.static_range(0, T, BC):
+            rc = c0 + oc
+            rm = rc < T
+            qr, kr, rq, rk, g, beta = _rows(q_ptr, k_ptr, a_ptr, b_ptr, sa, sb, tok_ptr,
+                                            alog_ptr, dtb_ptr, n, hv, kh, sqn, sqt, sqh,
+                                            scale, rc, rm, ok, T, GATES, L2)
+            mrow = m_ptr + (n * T + rc[:, None]) * T
+            md = tl.load(mrow + rc[None, :], mask=rm[:, None] & rm[None, :], other=0) != 0
+            G = tl.sum(tl.where(md, g[None, :], 0.0), 1)  # along the path: this chunk
+            for p0 in tl.static_range(0, c0, BC):  # ... and the earlier ones
+                rp = p0 + oc
+                _, _, _, _, gp, _ = _rows(q_ptr, k_ptr, a_ptr, b_ptr, sa, sb, tok_ptr,
+                                          alog_ptr, dtb_ptr, n, hv, kh, sqn, sqt, sqh,
+                                          scale, rp, rp < T, ok, T, GATES, L2)
+                mp = tl.load(mrow + rp[None, :], mask=rm[:, None], other=0) != 0
+                G += tl.sum(tl.where(mp, gp[None, :], 0.0), 1)
+            eg = tl.exp(G)
+            vm = rm[:, None] & ovm[None, :]
+            v = tl.load(v_ptr + n * svn + rc[:, None] * svt + hv * svh + ov[None, :],
+                        mask=vm, other=0.0).to(tl.float32)
+            r = beta[:, None] * (v - (eg * rk)[:, None] * _dot(kr, h0, NATIVE_H, PREC))
+            o = (eg * rq)[:, None] * _dot(qr, h0, NATIVE_H, PREC)
+            srow = tl.load(srow_ptr + n * T + rc, mask=rm, other=0)
+            for p0 in tl.static_range(0, c0, BC):  # earlier chunks (all rows real)
+                rp = p0 + oc
+                _, kp, _, rkp, _, _ = _rows(q_ptr, k_ptr, a_ptr, b_ptr, sa, sb, tok_ptr,
+                                            alog_ptr, dtb_ptr, n, hv, kh, sqn, sqt, sqh,
+                                            scale, rp, rp < T, ok, T, GATES, L2)
+                sp = tl.load(srow_ptr + n * T + rp)
+                Gp = tl.load(sg_ptr + sp * sgr + hv)
+                mp = tl.load(mrow + rp[None, :], mask=rm[:, None], other=0) != 0
+                used = tl.max(mp.to(tl.int32), 0) > 0  # pads' u (a dump row): never read
+                up = tl.load(su_ptr + sp[:, None] * sur + hv * V + ov[None, :],
+                             mask=used[:, None] & ovm[None, :], other=0.0)
+                dec = tl.where(mp, tl.exp(G[:, None] - Gp[None, :]), 0.0)
+                kk = _dot(kr, tl.trans(kp), NATIVE_QK, PREC) * rk[:, None] * rkp[None, :]
+                qk = _dot(qr, tl.trans(kp), NATIVE_QK, PREC) * rq[:, None] * rkp[None, :]
+                r -= beta[:, None] * tl.dot(dec * kk, up, input_precision=PREC)
+                o += tl.dot(dec * qk, up, input_precision=PREC)
+            dec = tl.where(md, tl.exp(G[:, None] - G[None, :]), 0.0)
+            kk = _dot(kr, tl.trans(kr), NATIVE_QK, PREC) * rk[:, None] * rk[None, :]
+            P = -tl.where(oc[:, None] > oc[None, :], dec * kk, 0.0) * beta[:, None]
+            Mi = tl.where(oc[:, None] == oc[None, :], 1.0, 0.0) + P
+            for _ in tl.static_range(NSQ):  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
+                P = tl.dot(P, P, input_precision=PREC)
+                Mi = Mi + tl.dot(Mi, P, input_precision=PREC)
+            u = tl.dot(Mi, r, input_precision=PREC)
+            qk = _dot(qr, tl.trans(kr), NATIVE_QK, PREC) * rq[:, None] * rk[None, :] * dec
+            o += tl.dot(qk, u, input_precision=PREC)
+            orow = tl.load(orow_ptr + n * T + rc, mask=rm, other=0)
+            tl.store(o_ptr + orow[:, None] * sor + hv * soh + ov[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=vm)
+            tl.store(su_ptr + srow[:, None] * sur + hv * V + ov[None, :], u, mask=vm)
+            tl.store(sg_ptr + srow * sgr + hv, G, mask=rm)
+            tl.store(sk_ptr + srow[:, None] * skr + kh * K + ok[None, :],
+                     kr.to(tl.float32) * rk[:, None],
+                     mask=rm[:, None] & (first & (hv % (HV // H) == 0)))
+            tl.debug_barrier()  # this chunk's G and u are read by the next ones
 
     @triton.jit
     def _commit_kernel(h_ptr, out_ptr, slot_ptr, shs, shh, shk, shv, sos, soh, sok, sov,
@@ -204,13 +258,15 @@ def conv1d(x, tok, hist, slot, weight, bias, windows, silu, y, x_stash=None, sro
 
 
 def verify(q, k, v, a, b, tok, mask, state, slot, out, orow, stash, srow, scale,
-           A_log=None, dt_bias=None, l2=True, state_kv=True):
+           A_log=None, dt_bias=None, l2=True, state_kv=True, depth=None):
     """The tree-masked delta rule for every verify row.  q, k [N, T, H, K] and v
     [N, T, HV, V] (views with unit stride on the head dim); a, b [rows, HV] by tok
     [N, T]: the gate inputs (A_log and dt_bias given: vLLM's gating) or g and beta
     themselves; mask [N, T, T] int8; h0 = state[slot[n]], [HV, K, V] when state_kv else
     [HV, V, K] (vLLM's cache); o goes to out[orow[n, t]] ([rows, HV, V]); the stash
-    (k [rows, H, K], u [rows, HV, V], G [rows, HV], float32) to its rows srow[n, t]."""
+    (k [rows, H, K], u [rows, HV, V], G [rows, HV], float32) to its rows srow[n, t].
+    depth: the most edges on any root-to-row path (default T - 1; the inverse takes
+    ceil(log2(depth + 1)) doubling steps, so a wrong bound gives wrong rows)."""
     n, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     if kd != next_pow2(kd) or kd < 16 or vd < 16:
@@ -218,21 +274,26 @@ def verify(q, k, v, a, b, tok, mask, state, slot, out, orow, stash, srow, scale,
                                   "power of 2, both >= 16)")
     if q.stride() != k.stride():
         raise ValueError("tree GDN kernel: q and k need the same strides")
-    tp = max(16, next_pow2(t))
+    bc = min(VERIFY_BLOCKS["bc"], max(16, next_pow2(t)))
     bv = min(VERIFY_BLOCKS["bv"] or 32, next_pow2(vd))
-    warps = VERIFY_BLOCKS["warps"] or (4 if tp <= 32 else 8)
+    warps = VERIFY_BLOCKS["warps"] or (4 if bc <= 32 else 8)
     st = state.stride()
     shk, shv = (st[2], st[3]) if state_kv else (st[3], st[2])
     sk, su, sg = stash
     gates = A_log is not None
-    _verify_kernel[(n, hv, triton.cdiv(vd, bv))](
+    d = t - 1 if depth is None else min(t - 1, depth)
+    # 16-bit dots on the GPU (the interpreter multiplies bf16 wrongly: it upcasts)
+    native = q.dtype in (torch.bfloat16, torch.float16) and not interpreting()
+    LAST["verify"] = _verify_kernel[(n, hv, triton.cdiv(vd, bv))](
         q, k, v, q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1),
         v.stride(2), a, b, a.stride(0), b.stride(0), _i64(tok),
         A_log if gates else a, dt_bias if gates else a, mask, state, _i64(slot), st[0],
         st[1], shk, shv, out, _i64(orow), out.stride(0), out.stride(1), sk, su, sg,
         _i64(srow), sk.stride(0), su.stride(0), sg.stride(0), float(scale), hv, h,
-        T=t, TP=tp, K=kd, V=vd, BV=bv, NSQ=max(0, (t - 1).bit_length() - 1), GATES=gates,
-        L2=l2, num_warps=warps)
+        T=t, BC=bc, K=kd, V=vd, BV=bv, NSQ=max(0, min(d, bc - 1).bit_length() - 1),
+        GATES=gates,
+        L2=l2, PREC=VERIFY_BLOCKS["prec"], NATIVE_QK=native, NATIVE_H=native and
+        state.dtype == q.dtype, num_warps=warps)
     return out
 
 

@@ -73,7 +73,9 @@ class _Buffers:
 
 class GDNTree:
     """The GDN layers' tree verification of one model runner.  ``tree_state`` is the
-    runtime's TreeState (has_tree [R], mask [R, 1+B, 1+B] by batch row)."""
+    runtime's TreeState (has_tree [R], mask [R, 1+B, 1+B] by batch row); ``depth`` the
+    most drafts on one path (ddtree_depth: trees and chains alike), which bounds the
+    verify kernel's inverse."""
 
     def __init__(self, layers, tree_state, max_tokens: int, max_reqs: int, depth: int,
                  device):
@@ -228,7 +230,8 @@ class GDNTree:
         out = torch.zeros(tokens + 1, nv, vd, dtype=x_all.dtype, device=x_all.device)
         return gdn_triton.verify(q, k, v, a, b, p.index, p.mask8, ssm_state, slots, out,
                                  p.orow, (buf.k, buf.u, buf.G), p.srow, kd ** -0.5,
-                                 A_log=layer.A_log, dt_bias=layer.dt_bias, state_kv=False)
+                                 A_log=layer.A_log, dt_bias=layer.dt_bias, state_kv=False,
+                                 depth=self.depth)
 
     def _forward_torch(self, layer, p, buf, x_all, b, a, conv_state, ssm_state, weight,
                        silu, dims):
