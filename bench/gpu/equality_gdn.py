@@ -87,7 +87,6 @@ def engine(a, m, row: str, eager: bool, drafter: str = "", profile: str = ""):
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                     "cudagraph_capture_sizes": sizes}
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if row == "ddtree_v1" else "1"
-    os.environ["VLLM_DDTREE_V2"] = "0" if row == "ddtree_v1" else "1"
     if ddtree:
         spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": a.budget,
                 "ddtree_depth": a.depth}

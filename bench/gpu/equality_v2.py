@@ -5,7 +5,7 @@
 
 One configuration per call (attention backend x eager / FULL CUDA graphs).  Engines run
 in this process one after the other (VLLM_ENABLE_V1_MULTIPROCESSING=0), all on the V2
-runner (VLLM_USE_V2_MODEL_RUNNER=1, VLLM_DDTREE_V2=1):
+runner (VLLM_USE_V2_MODEL_RUNNER=1):
 
   nospec        the reference (logprobs=2: the top-2 gap tells a near tie from a bug)
   ddtree        B=32, L=7, a random DFlash drafter; prompts 0-3 get the synthetic
@@ -16,7 +16,7 @@ runner (VLLM_USE_V2_MODEL_RUNNER=1, VLLM_DDTREE_V2=1):
   ddtree_eager  with --graphs only: the same as ddtree without graphs (sanity row:
                 graphs == eager)
   ddtree_sync   with --sync-row: the same as ddtree with synchronous scheduling
-                (VLLM_DDTREE_ASYNC=0); the other rows run DDTree's V2 default, async
+                (async_scheduling=False); the other rows run DDTree's V2 default, async
                 scheduling (run 6 proved it with the former --async-row)
   ddtree_per_batch  with --per-batch-row: the budget per batch size through vLLM's
                 dynamic speculative decoding (B, B/2, B/4 for 1-2, 3-5, 6+ requests;
@@ -31,7 +31,7 @@ runner (VLLM_USE_V2_MODEL_RUNNER=1, VLLM_DDTREE_V2=1):
                 every batch size)
   ddtree_arms   with --arms-row: the controller at every batch size (schedule B for
                 1-1024, chain L, ddtree_budget_control='auto') told to switch often
-                (VLLM_DDTREE_ARMS=1,2): tree and chain steps at the same batch sizes
+                (ddtree_arms="1,2"): tree and chain steps at the same batch sizes
   dflash        bfloat16 only: the DFlash chain (L drafts) as a control; a bf16
                 difference the chain shows too is rounding, not the tree
 
@@ -58,7 +58,6 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-os.environ.setdefault("VLLM_DDTREE_V2", "1")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -124,17 +123,11 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
                                                                                chain)
         if arms:  # the controller everywhere, switching often
             spec.update(num_speculative_tokens_per_batch_size=[[1, 1024, a.budget]],
-                        ddtree_budget_control="auto")
-            os.environ["VLLM_DDTREE_ARMS"] = "1,2"
-        else:
-            os.environ.pop("VLLM_DDTREE_ARMS", None)
+                        ddtree_budget_control="auto", ddtree_arms="1,2")
         if not default:  # 0: a fixed budget (no default budget per batch size)
             spec["ddtree_chain_budget"] = chain
         if sync:
-            os.environ["VLLM_DDTREE_ASYNC"] = "0"
             kw["async_scheduling"] = False
-        else:
-            os.environ.pop("VLLM_DDTREE_ASYNC", None)
     elif mode == "dflash":
         kw["speculative_config"] = {"method": "dflash", "model": drafter,
                                     "num_speculative_tokens": a.depth}
@@ -339,7 +332,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=32)
     ap.add_argument("--depth", type=int, default=7)
     ap.add_argument("--sync-row", action="store_true",
-                    help="also DDTree with synchronous scheduling (VLLM_DDTREE_ASYNC=0)")
+                    help="also DDTree with synchronous scheduling (async_scheduling=False)")
     ap.add_argument("--per-batch-row", action="store_true",
                     help="also DDTree with a budget per batch size (dynamic SD)")
     ap.add_argument("--chain-row", action="store_true",

@@ -61,7 +61,7 @@ for s in $STAGES; do
       for row in ${V2EQ_ROWS:-TRITON_ATTN:graphs FLASH_ATTN:graphs}; do
         attn=${row%%:*}; g=""; [ "${row#*:}" = graphs ] && g="--graphs"
         stamp "v2eq $row"
-        VLLM_USE_V2_MODEL_RUNNER=1 VLLM_DDTREE_V2=1 timeout "$(left ${T_V2EQ:-240})" \
+        VLLM_USE_V2_MODEL_RUNNER=1 timeout "$(left ${T_V2EQ:-240})" \
           python3 "$HERE/equality_v2.py" "$OUT/v2_${attn}_${row#*:}" \
           --attn "$attn" $g ${V2EQ_ARGS:-} > "$OUT/v2eq_${attn}_${row#*:}.txt" 2>&1
         echo "rc=$?"; grep -E "PASS|FAIL|control|RESULT|Traceback|Error|DIFF|PROBLEM" \
@@ -98,7 +98,7 @@ for s in $STAGES; do
       echo "rc=$?"; grep -E " N |e2e|FAILED|Error|engine" "$OUT/bench_log.txt" | cut -c1-330 | tail -60 ;;
     v2bench)  # the step table on the V2 runner (V2BENCH_E2E=1,16: also part (c) there)
       stamp v2bench
-      VLLM_USE_V2_MODEL_RUNNER=1 VLLM_DDTREE_V2=1 BENCH_E2E_BATCHES=${V2BENCH_E2E:-} \
+      VLLM_USE_V2_MODEL_RUNNER=1 BENCH_E2E_BATCHES=${V2BENCH_E2E:-} \
         timeout "$(left ${T_V2BENCH:-400})" \
         python3 "$HERE/step_bench.py" "$OUT/v2bench" ${V2BENCH_CONFIGS:-chain15 chain15async ddtree16 ddtree32 ddtree64} \
         > "$OUT/v2bench_log.txt" 2>&1
@@ -118,7 +118,7 @@ for s in $STAGES; do
       stamp v2repeat
       for i in ${V2REPEAT_ROUNDS:-$(seq "${REPEATS:-3}")}; do
         for c in ${V2REPEAT_CONFIGS:-chain15async ddtree64chainasync}; do
-          VLLM_USE_V2_MODEL_RUNNER=1 VLLM_DDTREE_V2=1 BENCH_BATCHES=${V2REPEAT_BATCHES:-1,4,16,32} \
+          VLLM_USE_V2_MODEL_RUNNER=1 BENCH_BATCHES=${V2REPEAT_BATCHES:-1,4,16,32} \
             BENCH_E2E_BATCHES=${V2REPEAT_E2E:-1,2,4,16,32} BENCH_E2E_ALL=1 timeout "$(left ${T_V2REPEAT:-240})" \
             python3 "$HERE/step_bench.py" "$OUT/v2repeat/r$i" "$c" > "$OUT/v2repeat_r${i}_$c.txt" 2>&1
           grep -E " N [0-9]+ step ms|e2e" "$OUT/v2repeat_r${i}_$c.txt" | cut -c1-110

@@ -33,10 +33,10 @@ with random safetensors written here (draft_load_config: safetensors).
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
     pinned, DDTree's V2 default: B at 1 request, B // 2 at 2, chains of min(L, B - 1)
     from 3 on, and at 1-2 requests the tree or the chain by tokens/s, arms.py; the chain
-    arm's own draft graphs follow the default (on) unless nocg (VLLM_DDTREE_CHAIN_GRAPHS=0)
+    arm's own draft graphs follow the default (on) unless nocg (ddtree_chain_graphs=0)
     or cg (=1); warm: before each timed e2e cell an untimed run of it on other prompts, so the choice is
     timed in its steady state instead of its start; the tree build replayed from its
-    own CUDA graphs follows the default (on) unless nobg (VLLM_DDTREE_BUILD_GRAPHS=0) or
+    own CUDA graphs follows the default (on) unless nobg (ddtree_build_graphs=0) or
     bg (=1))
 
 With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
@@ -176,16 +176,12 @@ def engine(spec: dict, **llm_kw):
                 sc["ddtree_chain_budget"] = spec.get("chain", 0)
             # pinned either way: on V2 DDTree keeps vLLM's async default unless told not to
             asy = bool(spec.get("async_sched"))
-            os.environ["VLLM_DDTREE_ASYNC"] = "1" if asy else "0"
-            if spec.get("cg") is None:
-                os.environ.pop("VLLM_DDTREE_CHAIN_GRAPHS", None)  # the default
-            else:
-                os.environ["VLLM_DDTREE_CHAIN_GRAPHS"] = spec["cg"]
-            # the tree build replayed from its own graphs: pinned by bg / nobg
-            if spec.get("bg") is None:
-                os.environ.pop("VLLM_DDTREE_BUILD_GRAPHS", None)
-            else:
-                os.environ["VLLM_DDTREE_BUILD_GRAPHS"] = spec["bg"]
+            # the chain arm's draft graphs (cg / nocg) and the tree build's graphs (bg /
+            # nobg): config keys of the V2 runner, its defaults when not pinned
+            if spec.get("cg") is not None:
+                sc["ddtree_chain_graphs"] = spec["cg"]
+            if spec.get("bg") is not None:
+                sc["ddtree_build_graphs"] = spec["bg"]
             kw["async_scheduling"] = asy
         else:
             sc["method"] = "dflash"

@@ -27,7 +27,7 @@ Stages ($TP_STAGES, default "eq bench control"; in this order):
            rounding (the chain differs too) or from DDTree?
 Runs stop starting engines when $TP_DEADLINE_S (default 450) would be passed; what
 ran is in OUT_DIR/tp_equality.json.  $VLLM_USE_V2_MODEL_RUNNER picks the runner (=1:
-V2, with VLLM_DDTREE_V2=1 set for DDTree's opt-in).
+V2).
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1: set here if unset; the script refuses other values).
 """
@@ -49,8 +49,6 @@ for _k, _v in MULTICAST_OFF.items():
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # 0.32 bundles: no flashinfer
 os.environ.setdefault("BENCH_BATCHES", "1,16")  # step_bench.engine's capture sizes
 os.environ.setdefault("BENCH_E2E_BATCHES", "")
-if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
-    os.environ.setdefault("VLLM_DDTREE_V2", "1")  # main's opt-in to DDTree on V2
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402

@@ -58,7 +58,7 @@ def test_cuda_layer_routes_spec_rows_to_the_tree_path(pristine, dist, version):
     gate = function_code(out, "QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode")
     assert "return False  # DDTree" in gate
     added = _only_added(src, out, allowed_changed=2)
-    assert sum("ddtree_budget" in line for line in added) == 2, added
+    assert sum("use_ddtree()" in line for line in added) == 2, added
 
 
 @pytest.mark.parametrize("dist,version", VERSIONS)

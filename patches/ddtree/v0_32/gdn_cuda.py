@@ -1,4 +1,4 @@
-"""ddtree-gdn hooks for CUDA, vLLM 0.32.0 and 0.33.0 (payload gdn_cuda.py):
+"""ddtree-gdn hooks for CUDA, vLLM 0.32.0 and 0.33.0 (payload gdn/cuda.py):
 
 * qwen_gdn_linear_attn.py ``QwenGatedDeltaNetAttention._forward_core``: with DDTree on,
   the speculative rows run the tree path (``tree_spec_forward``) instead of vLLM's
@@ -16,24 +16,20 @@ Without DDTree the stock code runs unchanged.
 
 from __future__ import annotations
 
-from functools import partial
-
-from ...framework import (AnchorError, Step, cst, code_of, edit_function, file_edit,
-                          insert_at_start, insert_near, statements)
+from ...framework import AnchorError, Step, cst, code_of, edit_function, file_edit, \
+    hook_code, statements
+from ..hooks import PKG, RUNTIME, hook, on
 
 GDN_LAYER = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
 GDN_BUILDER = "vllm/v1/attention/backends/gdn_attn.py"
 MAMBA_STATE = "vllm/v1/worker/gpu/model_states/mamba_hybrid.py"
-PKG = "vllm.v1.spec_decode.ddtree"
-ON = "getattr(self.speculative_config, 'ddtree_budget', None) is not None"
+ON = on("self.speculative_config")
 SPEC = "spec_sequence_masks is not None"
 
-TREE_CALL = (
-    f"ddtree_spec_out = None\n"
-    f"if {SPEC} and {ON}:\n"
-    f"    from {PKG}.gdn.cuda import tree_spec_forward\n\n"
-    f"    ddtree_spec_out = tree_spec_forward(self, attn_metadata, mixed_qkv_spec, b_spec,\n"
-    f"                                        a_spec, conv_state, ssm_state)\n")
+TREE_CALL = "ddtree_spec_out = None\n" + hook_code(
+    "ddtree_spec_out = tree_spec_forward(self, attn_metadata, mixed_qkv_spec, b_spec,\n"
+    "                                    a_spec, conv_state, ssm_state)\n",
+    guard=f"{SPEC} and {ON}", imports=("gdn.cuda", "tree_spec_forward"), package=PKG)
 TAKE = ("if ddtree_spec_out is not None:\n"
         "    core_attn_out_spec = ddtree_spec_out\n")
 
@@ -86,33 +82,27 @@ def _route_spec_rows(source: str) -> str:
 GDN_LAYER_EDIT = file_edit(GDN_LAYER, [
     Step("QwenGatedDeltaNetAttention._forward_core", _route_spec_rows,
          "core_attn_out_spec = ddtree_spec_out"),
-    Step("QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode", partial(
-        insert_at_start, qualname="QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode",
-        code=f"if {ON}:\n"
-             f"    return False  # DDTree verifies trees (gdn_cuda.py), not chains\n"),
-        "return False  # DDTree verifies trees"),
+    hook("QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode",
+         "return False  # DDTree verifies trees (gdn/cuda.py), not chains\n", guard=ON,
+         marker="return False  # DDTree verifies trees"),
 ], "GDN speculative steps verify trees when DDTree is on (CUDA)")
 
 GDN_BUILDER_EDIT = file_edit(GDN_BUILDER, [
-    Step("GDNAttentionMetadataBuilder.__init__", partial(
-        insert_near, qualname="GDNAttentionMetadataBuilder.__init__",
-        match=lambda c: c.strip().startswith("self.spec_state_indices_tensor"),
-        code=f"if {ON}:\n"
-             f"    # DDTree: one state slot per request (num_speculative_blocks = 0)\n"
-             f"    self.spec_state_indices_tensor = torch.empty(\n"
-             f"        (self.decode_cudagraph_max_bs,\n"
-             f"         1 + kv_cache_spec.num_speculative_blocks),\n"
-             f"        dtype=torch.int32, device=device)\n"),
-        "1 + kv_cache_spec.num_speculative_blocks)"),
+    hook("GDNAttentionMetadataBuilder.__init__",
+         "# DDTree: one state slot per request (num_speculative_blocks = 0)\n"
+         "self.spec_state_indices_tensor = torch.empty(\n"
+         "    (self.decode_cudagraph_max_bs,\n"
+         "     1 + kv_cache_spec.num_speculative_blocks),\n"
+         "    dtype=torch.int32, device=device)\n", guard=ON,
+         at=lambda c: c.strip().startswith("self.spec_state_indices_tensor"),
+         marker="1 + kv_cache_spec.num_speculative_blocks)"),
 ], "GDN metadata: FULL-graph state indices sized by the slots DDTree keeps")
 
 MAMBA_STATE_EDIT = file_edit(MAMBA_STATE, [
-    Step("MambaHybridModelState.prepare_attn", partial(
-        insert_near, qualname="MambaHybridModelState.prepare_attn",
-        match=lambda c: c.lstrip().startswith("attn_metadata = build_attn_metadata("),
-        code="if getattr(self, 'ddtree', None) is not None:\n"
-             "    self.ddtree.mark(input_batch, attn_metadata, for_capture)\n"),
-        "self.ddtree.mark("),
+    hook("MambaHybridModelState.prepare_attn",
+         "self.ddtree.mark(input_batch, attn_metadata, for_capture)\n", guard=RUNTIME,
+         at=lambda c: c.lstrip().startswith("attn_metadata = build_attn_metadata("),
+         marker="self.ddtree.mark("),
 ], "V2 runner, hybrid targets: tree attention for verify steps and FULL graph captures")
 
 EDITS = (GDN_LAYER_EDIT, GDN_BUILDER_EDIT, MAMBA_STATE_EDIT)
