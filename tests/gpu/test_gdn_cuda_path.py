@@ -74,19 +74,19 @@ def paths(parents, n_nodes):
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend,B", [("torch", 6), ("triton", 6), ("triton", 20)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_rows_and_commit_match_the_recurrence(backend, dtype, monkeypatch):
+def test_tree_rows_and_commit_match_the_recurrence(backend, B, dtype, monkeypatch):
+    """B = 20: 21 rows, two chunks of the verify kernel, with a ragged request's pads."""
     cuda, gt, core = _mods()
     dev = device() if backend == "triton" else "cpu"
     gen = torch.Generator().manual_seed(7)
     layer = Layer(dev, dtype, gen)
-    B = 6
     ts = TreeState(4, B + 1, dev)
     tree = core.build_tree(torch.randn(2, 4, 32, generator=gen) * 2, B, B, backend="torch")
-    # request 0: a tree of 6; request 1: 3 drafts as a chain (no tree); request 2: the
+    # request 0: a tree of B; request 1: 3 drafts as a chain (no tree); request 2: the
     # first 4 nodes of another tree; request 3: padding (FULL-graph style, no tokens)
-    specs = [(tree.parents[0], 6, True), (torch.arange(-1, 2), 3, False),
+    specs = [(tree.parents[0], B, True), (torch.arange(-1, 2), 3, False),
              (tree.parents[1, :4], 4, True)]
     lens = [1 + d for _, d, _ in specs] + [0]
     qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev)
@@ -104,7 +104,7 @@ def test_tree_rows_and_commit_match_the_recurrence(backend, dtype, monkeypatch):
     x = (torch.randn(tokens, C, generator=gen)).to(dev, dtype)
     a = torch.randn(tokens, HV, generator=gen).to(dev, dtype)
     b = torch.randn(tokens, HV, generator=gen).to(dev, dtype)
-    gdn = cuda.GDNTree({layer.prefix: layer}, ts, max_tokens=32, max_reqs=4, depth=4,
+    gdn = cuda.GDNTree({layer.prefix: layer}, ts, max_tokens=64, max_reqs=4, depth=4,
                        device=dev)
     gdn.backend = backend
     monkeypatch.setattr(cuda, "_dim_first", lambda: True)
@@ -223,3 +223,53 @@ def test_windows_from_mask_equal_conv_windows(seed):
         want = gt.conv_windows(parents, w)
         got = cuda.windows_from_mask(gt.tree_mask(parents), w)
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_commit_graph_replay_equals_the_eager_commit(monkeypatch):
+    """The commit of all layers after the walk: a batch size's first commit runs eagerly
+    and is captured, the next replays the graph; both give the same caches."""
+    cuda, gt, core = _mods()
+    gen = torch.Generator().manual_seed(5)
+    layer = Layer("cuda", torch.bfloat16, gen)
+    B, n = 12, 2
+    ts = TreeState(n, B + 1, "cuda")
+    tree = core.build_tree(torch.randn(n, 4, 32, generator=gen) * 2, B, B, backend="torch")
+    for r in range(n):
+        ts.has_tree[r] = 1
+        ts.mask[r] = gt.tree_mask(tree.parents[r: r + 1].cuda().long())[0].to(torch.int8)
+    t = B + 1
+    qsl = torch.arange(0, n * t + 1, t, dtype=torch.int32, device="cuda")
+    md = SimpleNamespace(num_spec_decodes=n, uniform_spec_sequence_length=t,
+                         num_spec_decode_tokens=n * t, num_prefills=0, num_decodes=0,
+                         spec_query_start_loc=qsl,
+                         spec_state_indices_tensor=torch.tensor([[2], [6]], device="cuda"),
+                         spec_sequence_masks_cpu=None)
+    x, a, b = (torch.randn(n * t, d, generator=gen).to("cuda", torch.bfloat16)
+               for d in (C, HV, HV))
+    gdn = cuda.GDNTree({layer.prefix: layer}, ts, max_tokens=64, max_reqs=n, depth=4,
+                       device="cuda")
+    monkeypatch.setattr(cuda, "_dim_first", lambda: True)
+    start = [c.clone() for c in layer.kv_cache]
+    rows = torch.full((n, 5), -1, dtype=torch.int64, device="cuda")
+    num = torch.zeros(n, dtype=torch.int64, device="cuda")
+    for i in range(n):  # the deepest node's path
+        node, path = int(tree.depths[i].argmax()), []
+        while node >= 0:
+            path.append(node + 1)
+            node = int(tree.parents[i, node])
+        path = [0] + path[::-1]
+        rows[i, : len(path)] = torch.tensor(path)
+        num[i] = len(path) - 1
+    after = []
+    for _ in range(2):
+        for c, s in zip(layer.kv_cache, start):
+            c.copy_(s)
+        gdn.note_step()
+        cuda.tree_spec_forward(layer, SimpleNamespace(**vars(md)), x, b, a, *layer.kv_cache)
+        gdn.commit(rows, num, n)
+        torch.cuda.synchronize()
+        after.append([c.clone() for c in layer.kv_cache])
+    assert list(gdn._graphs) == [n]
+    for eager, replay, s in zip(*after, start):
+        assert torch.equal(eager, replay) and not torch.equal(eager, s)
