@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Compile the tree GDN Triton kernels (core/gdn_triton.py) for an NVIDIA target on any
+machine, no GPU needed (Triton's bundled ptxas), and print each launch's registers and
+spills: a compile error or a spill regression shows here before a device session.
+
+    python bench/kernel_resources.py [--arch 90] [--json]
+
+Rows: the verify at its default launch (bf16 inputs: 16-bit dots; fp32: tf32x3) for
+17 / 65 / 257 rows, with a float32 state, with float32 inputs, and the conv, commit and conv-commit kernels.  Exit 0 when every
+kernel compiled.  tests/core/test_gdn_kernels_compile.py runs it for sm_80 and sm_90.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, not interpret (set before triton loads)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ddtree_patcher.patches.ddtree.payload.core import gdn_triton as gk  # noqa: E402
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+BF16 = ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "h_ptr", "o_ptr", "x_ptr", "y_ptr",
+        "xs_ptr", "w_ptr", "out_ptr")
+FP32 = ("alog_ptr", "dtb_ptr", "sk_ptr", "su_ptr", "sg_ptr")
+
+
+def signature(fn, consts: dict, fp32_inputs: bool = False, fp32_state: bool = False) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            if name == "m_ptr":
+                sig[name] = "*i8"
+            elif name in FP32 or (fp32_inputs and name in BF16) or \
+                    (fp32_state and name == "h_ptr"):
+                sig[name] = "*fp32"
+            elif name in BF16:
+                sig[name] = "*bf16"
+            else:
+                sig[name] = "*i64"
+        elif name == "scale":
+            sig[name] = "fp32"
+        elif name in ("HV", "H", "T", "C"):
+            sig[name] = "i32"
+        else:
+            sig[name] = "i64"
+    return sig
+
+
+def resources(fn, consts: dict, arch: int, warps: int = 4, fp32_inputs: bool = False,
+              fp32_state: bool = False):
+    src = ASTSource(fn=fn, signature=signature(fn, consts, fp32_inputs, fp32_state),
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    with tempfile.TemporaryDirectory() as d:
+        ptx = Path(d, "k.ptx")
+        ptx.write_text(k.asm["ptx"])
+        sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        out = subprocess.run([str(PTXAS), "-v", f"-arch={sm}", str(ptx), "-o",
+                              str(Path(d, "k.cubin"))], capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spill.group(1)) if spill else None,
+            "shared": k.metadata.shared}
+
+
+def rows(arch: int) -> list[dict]:
+    out = []
+    blocks = gk.VERIFY_BLOCKS
+    # inputs: bf16 (and a bf16 state), bf16 with a float32 state (vLLM's
+    # mamba_ssm_cache_dtype="float32"), all float32
+    for t, inputs in ((17, "bf16"), (65, "bf16"), (257, "bf16"), (17, "bf16+fp32 state"),
+                      (17, "fp32")):
+        fp32, fp32_state = inputs == "fp32", inputs != "bf16"
+        bc = min(blocks["bc"], max(16, 1 << (t - 1).bit_length()))
+        warps = blocks["warps"] or (4 if bc <= 32 else 8)
+        consts = dict(T=t, BC=bc, K=128, V=128, BV=blocks["bv"] or 32, NSQ=3, GATES=True,
+                      L2=True, PREC=blocks["prec"], NATIVE_QK=not fp32,
+                      NATIVE_H=not fp32_state)
+        r = resources(gk._verify_kernel, consts, arch, warps, fp32, fp32_state)
+        out.append({"kernel": "verify", "rows": t, "inputs": inputs,
+                    "chunk": bc, "warps": warps, **r})
+    for name, fn, consts in (
+            ("conv", gk._conv_kernel, dict(W=4, HAS_BIAS=True, SILU=True, COPY_X=True,
+                                           BC=256)),
+            ("commit", gk._commit_kernel, dict(L1=16, K=128, V=128, BV=64)),
+            ("conv_commit", gk._conv_commit_kernel, dict(L1=16, W=4, WP=4, BC=128))):
+        out.append({"kernel": name, **resources(fn, consts, arch)})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    table = rows(a.arch)
+    if a.json:
+        print(json.dumps(table))
+        return 0
+    print(f"sm_{a.arch}: kernel, rows, inputs, chunk, warps, registers, spill stores, shared")
+    for r in table:
+        print(f"  {r['kernel']:<12} {r.get('rows', '-'):>4} {r.get('inputs', '-'):>16} "
+              f"{r.get('chunk', '-'):>4} {r.get('warps', 4):>3} {r['registers']:>5} "
+              f"{r['spill_stores']:>6} {r['shared']:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
