@@ -16,7 +16,7 @@ from ddtree_patcher.versions import V0_20, V0_32
 from ..framework import AddedFile, Family, Transform
 from .v0_20 import runner as v0_20
 from .v0_32 import gdn as gdn_v0_32
-from .v0_32 import gdn_cuda
+from .v0_32 import gdn_cuda, structured
 from .v0_32 import v1_runner as v0_32
 from .v0_32 import v2_runner as v2_v0_32
 
@@ -62,6 +62,7 @@ SAMPLER = Transform(
               Family(versions=V0_32, edits=(v0_32.SAMPLER_RUNNER_EDIT,
                                             v0_32.CPU_ATTN_EDIT, v0_32.FLASH_EDIT,
                                             v0_32.TRITON_EDIT, v0_32.SAMPLING_EDIT,
+                                            structured.STRUCTURED_EDIT,
                                             *v2_v0_32.SAMPLER_EDITS))),
     requires=("ddtree-proposer",),
 )

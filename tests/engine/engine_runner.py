@@ -196,12 +196,17 @@ def _completion(c) -> dict:
 
 def _sampling(cls, spec):
     """SamplingParams from a job's "sampling": one dict for every prompt, or a list of
-    dicts, one per prompt; JSON's string keys of logit_bias back to token ids."""
+    dicts, one per prompt; JSON's string keys of logit_bias back to token ids,
+    "structured_outputs" from a dict."""
     if isinstance(spec, list):
         return [_sampling(cls, s) for s in spec]
     kw = {**SAMPLING_DEFAULTS, **spec}
     if kw.get("logit_bias"):
         kw["logit_bias"] = {int(k): float(v) for k, v in kw["logit_bias"].items()}
+    if kw.get("structured_outputs"):  # a dict of StructuredOutputsParams' fields
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
     return cls(**kw)
 
 

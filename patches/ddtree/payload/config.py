@@ -216,9 +216,21 @@ def request_features(params) -> list[str]:
     return out
 
 
-# served per tree node on the V1 runner (v1/requests.py; tests/engine/test_ddtree_engine.py)
+# served per tree node on the V1 runner (v1/requests.py; tests/engine/test_ddtree_engine.py);
+# structured outputs on 0.32 / 0.33 (v1/grammar.py: 0.20.x has no such hook)
 V1_SERVED = ("logprobs", "presence/frequency/repetition penalties", "bad_words",
-             "logit_bias", "allowed_token_ids", "min_tokens", "min_p")
+             "logit_bias", "allowed_token_ids", "min_tokens", "min_p",
+             "structured outputs")
+
+
+def _v1_served() -> tuple[str, ...]:
+    try:
+        import vllm
+
+        old = str(getattr(vllm, "__version__", "")).startswith("0.20")
+    except Exception:  # noqa: BLE001  (outside vLLM: the tests' stand-in)
+        old = False
+    return V1_SERVED[:-1] if old else V1_SERVED
 
 
 def validate_request(params, spec=None) -> None:
@@ -226,7 +238,8 @@ def validate_request(params, spec=None) -> None:
     refused per request (instead of silently ignoring them, which would change the
     output).  ``spec``: the engine's SpeculativeConfig (None: refuse as on V2)."""
     v1 = spec is not None and not settings.of(spec).v2
-    bad = [f for f in request_features(params) if not (v1 and f in V1_SERVED)]
+    served = _v1_served() if v1 else ()
+    bad = [f for f in request_features(params) if f not in served]
     if v1 and params.logprobs is not None and params.logprobs < 0:
         bad.append("logprobs=-1 (the whole vocabulary)")
     if bad:

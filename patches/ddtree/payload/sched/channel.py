@@ -1,5 +1,6 @@
-"""ArmChannel: what the worker half of the tree-vs-chain choice (paired.py) tells the
-scheduler half (arms.py) when both run in one process.
+"""ArmChannel: what the worker side tells the scheduler side when both run in one
+process: the tree-vs-chain choice's counts (paired.py -> arms.py) and the V1 runtime's
+trees (v1/runtime.py -> v1/grammar.py, structured outputs).
 
 One per engine configuration (DDTreeConfig.channel): the scheduler's ArmLookup and the
 worker's ArmExpect are handed the same object.  A process that unpickles the
@@ -25,6 +26,9 @@ class ArmChannel:
         # batch size -> {b: tokens per request-step of the best tree of b nodes}, priced
         # on the same tree steps (reported in the summary, not chosen)
         self.subtrees: dict[int, dict[int, float]] = {}
+        # the V1 runtime (its tree_of() and Stats): the grammar masks per tree node
+        # (v1/grammar.py) read the trees it proposed
+        self.runtime = None
 
     def clear(self) -> None:
         """Forget every published count (a scheduler starting afresh)."""

@@ -109,6 +109,13 @@ class CudaDDTreeRuntime(DDTreeRuntime):
     def store_trees(self, req_ids, tree: DDTree) -> None:
         self._latest = ({rid: i for i, rid in enumerate(req_ids)}, tree)
 
+    def tree_of(self, req_id: str):
+        if self._latest is None:
+            return None
+        index_of, tree = self._latest
+        i = index_of.get(req_id)
+        return None if i is None else (tree.tokens[i], tree.parents[i])
+
     # ---------------------------------------------------------------- runner hooks
     def prepare(self, scheduler_output, total_tokens: int) -> None:
         self.step, self.walk = None, None

@@ -68,11 +68,18 @@ class DDTreeRuntime:
         self.walk = None
         self.stats = Stats()
         self.sampler = DDTreeSampler(self, runner.sampler)
+        # the scheduler's grammar masks read the trees (v1/grammar.py, one process)
+        self.config.channel.runtime = self
 
     # ---------------------------------------------------------------- proposer side
     def store_trees(self, req_ids, tree: DDTree) -> None:
         for i, rid in enumerate(req_ids):
             self.trees[rid] = (tree.tokens[i], tree.parents[i], tree.depths[i])
+
+    def tree_of(self, req_id: str):
+        """(tokens, parents) of the request's last proposed tree, or None."""
+        stored = self.trees.get(req_id)
+        return None if stored is None else stored[:2]
 
     # ---------------------------------------------------------------- runner hooks
     def prepare(self, scheduler_output, total_tokens: int) -> None:

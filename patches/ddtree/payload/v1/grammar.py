@@ -1,0 +1,155 @@
+"""Structured outputs on DDTree's V1 runner: a grammar mask for every tree node, and the
+drafts a grammar forbids cut before verify.  Runs on the scheduler's side, inside
+vLLM's StructuredOutputManager (the ddtree-sampler transform hooks validate_tokens and
+grammar_bitmask of vllm/v1/structured_output/__init__.py, vLLM 0.32 / 0.33).
+
+vLLM walks a request's drafts as a chain: advance the grammar through each, fill one
+bitmask row per position, roll back.  A DDTree request's drafts are a tree in pop order
+(parents before children), so row 1 + j (node j) needs the grammar after node j's own
+path:
+
+  validate  keeps the longest prefix of the pop order in which the grammar accepts every
+            node after its own path (a prefix of the pop order is a tree); the nodes cut
+            are counted (stats: grammar_cut).
+  bitmask   lets vLLM fill each request's root row (the drafts passed as padding: it
+            neither advances the grammar nor logs), then fills the node rows depth
+            first: accept the node's token, fill its row, visit its children, roll back.
+
+A request's tree comes from the V1 runtime of this process (DDTreeConfig.channel.runtime
+.tree_of(req_id): the tokens and parents it last proposed).  Where it is not there (a worker in another
+process) or while a reasoning parser holds the grammar back, the request drafts nothing
+this step: no row is ever filled from another node's state.
+"""
+
+from __future__ import annotations
+
+from .. import settings
+
+
+def _channel(manager):
+    return settings.of(manager.vllm_config.speculative_config).channel
+
+
+def _parents(manager, request, tokens: list[int]) -> list[int] | None:
+    """The parents of these drafts (the first len(tokens) nodes of the request's tree),
+    or None when this process does not hold that tree."""
+    runtime = _channel(manager).runtime
+    stored = runtime.tree_of(request.request_id) if runtime is not None else None
+    if stored is None:
+        return None
+    tok, par = stored
+    d = len(tokens)
+    if d > tok.shape[0] or tok[:d].tolist() != list(tokens):
+        return None
+    return [int(p) for p in par[:d].tolist()]
+
+
+def _from_start(manager, request, tokens: list[int]) -> bool:
+    return tuple(manager._get_constraint_bounds(request, tokens)) == (0, 0)
+
+
+def walk(grammar, req_id: str, tokens: list[int], parents: list[int], visit=None):
+    """Depth-first over the tree from the grammar's current state: a node is accepted
+    when its parent is and the grammar takes its token there; ``visit(j)`` runs with the
+    grammar right after node j's path.  The grammar ends where it began.  Returns the
+    accepted flag of every node."""
+    kids: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # [0]: the root's
+    for j, p in enumerate(parents):
+        kids[p + 1].append(j)
+    accepted = [False] * len(tokens)
+    stack = [(c, False) for c in reversed(kids[0])]
+    while stack:
+        j, leave = stack.pop()
+        if leave:
+            grammar.rollback(1)
+            continue
+        t = tokens[j]
+        # validate first: a refused token must not reach accept_tokens (it logs an error)
+        if grammar.is_terminated() or grammar.validate_tokens([t]) != [t] or \
+                not grammar.accept_tokens(req_id, [t]):
+            continue
+        accepted[j] = True
+        if visit is not None:
+            visit(j)
+        stack.append((j, True))
+        stack.extend((c, False) for c in reversed(kids[j + 1]))
+    return accepted
+
+
+def validate(manager, request, spec_tokens: list[int]) -> list[int]:
+    """validate_tokens for a DDTree engine: the longest prefix of the tree's pop order
+    the grammar accepts node by node (see the module doc)."""
+    if not request.use_structured_output:
+        return spec_tokens
+    from vllm.v1.structured_output.utils import strip_speculative_padding
+
+    tokens = list(strip_speculative_padding(spec_tokens))
+    if not tokens:
+        return tokens
+    parents = _parents(manager, request, tokens) if _from_start(manager, request, tokens) \
+        else None
+    keep = 0
+    if parents is not None:
+        ok = walk(request.structured_output_request.grammar, request.request_id, tokens,
+                  parents)
+        keep = next((j for j, v in enumerate(ok) if not v), len(tokens))
+    runtime = _channel(manager).runtime
+    stats = runtime.stats if runtime is not None else None
+    if stats is not None and stats.path is not None:
+        stats.d["grammar_cut"] = stats.d.get("grammar_cut", 0) + len(tokens) - keep
+        stats.d["grammar_kept"] = stats.d.get("grammar_kept", 0) + keep
+    return tokens[:keep]
+
+
+def bitmask(manager, requests, request_ids, scheduled):
+    """grammar_bitmask for a DDTree engine (see the module doc)."""
+    trees = {rid: list(scheduled[rid]) for rid in request_ids if scheduled.get(rid)}
+    padded = {**scheduled, **{rid: [-1] * len(t) for rid, t in trees.items()}}
+    manager._ddtree_inner = True
+    try:
+        out = manager.grammar_bitmask(requests, request_ids, padded)
+    finally:
+        manager._ddtree_inner = False
+    if not trees:
+        return out
+    mask = manager._grammar_bitmask
+    # 0.33 gives each request a block of 1 + num_speculative_tokens rows; 0.32 packs
+    # 1 + len(drafts) rows per request
+    blocks = hasattr(manager, "_masked_reasoning_ends")
+    stride = manager.vllm_config.num_speculative_tokens + 1
+    row = 0
+    for i, rid in enumerate(request_ids):
+        start = i * stride if blocks else row
+        row += len(scheduled.get(rid) or ()) + 1
+        if rid in trees:
+            _fill_tree(manager, requests[rid], trees[rid], mask, start)
+    return out
+
+
+def _fill_tree(manager, request, tokens: list[int], mask, root: int) -> None:
+    """Rows root + 1 + j (node j) of a request validate() passed: each the grammar's
+    mask after node j's path; a node the grammar does not take (its path reaches a
+    terminated grammar) gets its parent's row: it cannot be accepted, and its row
+    only has to be a valid mask."""
+    from vllm.v1.structured_output.utils import strip_speculative_padding
+
+    tokens = list(strip_speculative_padding(tokens))
+    grammar = request.structured_output_request.grammar
+    parents = _parents(manager, request, tokens)
+    if parents is None:  # validate() lets no such drafts through
+        raise RuntimeError(
+            f"DDTree: request {request.request_id} has {len(tokens)} drafts under a "
+            "grammar but no tree of them in this process (validate_tokens was "
+            "bypassed); please report this as a bug")
+
+    def fill(j):
+        if grammar.is_terminated():
+            mask[root + 1 + j].fill_(-1)
+        else:
+            grammar.fill_bitmask(mask, root + 1 + j)
+
+    ok = walk(grammar, request.request_id, tokens, parents, fill)
+    for j, good in enumerate(ok):  # parents come first: their rows are final
+        if not good:
+            mask[root + 1 + j].copy_(mask[root + 1 + parents[j]] if parents[j] >= 0
+                                     else mask[root])
