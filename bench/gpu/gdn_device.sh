@@ -11,6 +11,10 @@
 # eqb (bf16 with the DFlash control), bench (GDN layer: tree vs chain), step (27B-shape
 # step, STEP_CONFIGS one process each).  VERIFY=0: apply without `verify`.
 # Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows.
+# A fresh machine compiles vLLM's Triton kernels at its first engine start (~150 s for
+# the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
+# give the first engine stage that time (run 14's eq and step calls timed out on it).
+# A session's plan (30 min): b1; install apply tests (verify on); eqg eq; step bench.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -40,3 +40,20 @@ def spec_config(budget: int, depth: int, **settings):
 
     cfg = payload_module("settings").DDTreeConfig(budget=budget, depth=depth, **settings)
     return SimpleNamespace(ddtree_budget=budget, ddtree_depth=depth, ddtree_config=cfg)
+
+
+def deepest_path(tree, width: int):
+    """accepted_rows [N, width] (-1 padded) / num_accepted [N] of a walk that accepts
+    each tree's deepest node's path (CPU tensors)."""
+    n = tree.parents.shape[0]
+    rows = torch.full((n, width), -1, dtype=torch.int64)
+    num = torch.zeros(n, dtype=torch.int64)
+    for i in range(n):
+        node, path = int(tree.depths[i].argmax()), []
+        while node >= 0:
+            path.append(node + 1)
+            node = int(tree.parents[i, node])
+        path = [0] + path[::-1]
+        rows[i, : len(path)] = torch.tensor(path)
+        num[i] = len(path) - 1
+    return rows, num

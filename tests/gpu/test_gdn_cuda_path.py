@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from .conftest import device, payload_module
+from .conftest import deepest_path, device, payload_module
 
 H, HV, K, V, W = 2, 4, 16, 16, 4
 C = 2 * H * K + HV * V
@@ -251,16 +251,7 @@ def test_commit_graph_replay_equals_the_eager_commit(monkeypatch):
                        device="cuda")
     monkeypatch.setattr(cuda, "_dim_first", lambda: True)
     start = [c.clone() for c in layer.kv_cache]
-    rows = torch.full((n, 5), -1, dtype=torch.int64, device="cuda")
-    num = torch.zeros(n, dtype=torch.int64, device="cuda")
-    for i in range(n):  # the deepest node's path
-        node, path = int(tree.depths[i].argmax()), []
-        while node >= 0:
-            path.append(node + 1)
-            node = int(tree.parents[i, node])
-        path = [0] + path[::-1]
-        rows[i, : len(path)] = torch.tensor(path)
-        num[i] = len(path) - 1
+    rows, num = (x.cuda() for x in deepest_path(tree, 5))
     after = []
     for _ in range(2):
         for c, s in zip(layer.kv_cache, start):

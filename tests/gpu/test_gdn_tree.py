@@ -18,7 +18,7 @@ from ddtree_patcher.patches.ddtree.payload.core.gdn_tree import (
     tree_mask,
 )
 
-from .conftest import HAS_CUDA
+from .conftest import HAS_CUDA, deepest_path
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
@@ -41,18 +41,7 @@ def case(n, b, dtype, seed=0):
 
 def path_end(tree):
     """accepted_rows / num_accepted of a walk that accepts the deepest node's path."""
-    n, b = tree.parents.shape
-    rows = torch.full((n, 16), -1, dtype=torch.int64)
-    num = torch.zeros(n, dtype=torch.int64)
-    for i in range(n):
-        node = int(tree.depths[i].argmax())
-        path = []
-        while node >= 0:
-            path.append(node + 1)
-            node = int(tree.parents[i, node])
-        path = [0] + path[::-1]
-        rows[i, : len(path)] = torch.tensor(path)
-        num[i] = len(path) - 1
+    rows, num = deepest_path(tree, 16)
     return rows.cuda(), num.cuda()
 
 
