@@ -303,7 +303,9 @@ class GDNTree:
             return
         self._commit_all(self._rows_buf[:n], self._num_buf[:n], n)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):  # recorded, not run
+        # recorded, not run; thread_local: other threads of the server (async output
+        # copies) may use CUDA while this captures
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
             self._commit_all(self._rows_buf[:n], self._num_buf[:n], n)
         self._graphs[n] = g
 
