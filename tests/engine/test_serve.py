@@ -355,6 +355,13 @@ FEATURES = {
     "completion_sampling_features": ("/v1/completions", 5, {
         "logit_bias": {str(t): 30.0 for t in range(100, 140)}, "min_p": 0.2,
         "allowed_token_ids": list(range(2, 300)), "min_tokens": 4, "max_tokens": 16}),
+    # structured outputs (V1: a grammar mask per tree node); the tokenizer's words have
+    # no JSON characters, so the grammars are regexes over the words
+    "chat_structured": ("/v1/chat/completions", 6, {
+        "structured_outputs": {"regex": "(w1[0-9]*)+"}, "max_tokens": 16}),
+    "completion_structured_stream": ("/v1/completions", 7, {
+        "structured_outputs": {"regex": "w2[0-9]*(w3[0-9]*w4[0-9]*)+"}, "max_tokens": 16,
+        "stream": True}),
 }
 
 
@@ -379,7 +386,7 @@ def _logprobs(path: str, body: dict, res) -> list[tuple[str, float, dict]]:
 
 @pytest.fixture(scope="module")
 def feature_answers(servers, engine_prompts):
-    prompts = engine_prompts((6, 11, 19, 25, 8, 30), seed=23)
+    prompts = engine_prompts((6, 11, 19, 25, 8, 30, 12, 16), seed=23)
     greedy = {"model": "tiny", "temperature": 0.0, "ignore_eos": True,
               "return_token_ids": True}
     calls, work = {}, {}
@@ -420,6 +427,18 @@ def test_request_features_like_nospec(feature_answers, key):
     for (ta, va, topa), (tb, vb, topb) in zip(la, lb):
         assert ta == tb and abs(va - vb) < 1e-4 and set(topa) == set(topb), (ta, tb)
         assert max(abs(topa[t] - topb[t]) for t in topa) < 1e-4
+
+
+@pytest.mark.parametrize("key", [k for k in FEATURES if "structured" in k])
+def test_structured_outputs_are_valid(feature_answers, key):
+    """The structured answers (equal to no-spec's above) follow their grammar."""
+    import re
+
+    work, raw = feature_answers
+    path, body = work[key]
+    text = _answer(path, body, *raw[("ddtree", key)])["text"].replace(" ", "")
+    pattern = body["structured_outputs"]["regex"]
+    assert text and (re.fullmatch(pattern, text) or re.fullmatch(pattern, text + "w4")), text
 
 
 def test_readme_serve_line_matches(servers):
