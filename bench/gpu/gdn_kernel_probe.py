@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The tree GDN verify kernel alone (core/gdn_triton.py) per launch setting: rows
 per chunk, V block, warps, dot precision; CUDA-graph replays at Qwen3.6-27B heads (16 key / 48 value
-heads of 128), with its registers and spills and its error against float64.
+heads of 128), with its error against float64 (registers and spills of a launch:
+bench/kernel_resources.py, no GPU needed).
 
     python bench/gpu/gdn_kernel_probe.py [--rows 17,33,65] [--batches 1,8]
 
@@ -73,11 +74,9 @@ def main(argv=None) -> int:
                 run()
                 torch.cuda.synchronize()
                 err = (out.view(n, t, HV, V).double() - want).abs().max().item()
-                ck = gk.LAST.get("verify")
                 us = timed(run, a.reps, True)
                 r = dict(T=t, N=n, prec=prec, bc=bc, bv=bv, warps=warps, us=round(us, 1),
-                         max_err=err, regs=getattr(ck, "n_regs", None),
-                         spills=getattr(ck, "n_spills", None))
+                         max_err=err)
             except Exception as e:  # a setting that does not compile: say so
                 r = dict(T=t, N=n, prec=prec, bc=bc, bv=bv, warps=warps, error=repr(e)[:200])
             rows.append(r)

@@ -29,7 +29,6 @@ L2_EPS = 1e-6
 # its warps (None: 4 up to 32 rows a chunk, else 8) and the precision of its float32 dots (tf32x3: tensor cores,
 # about float32's error; ieee: CUDA cores).  bench/gpu/gdn_kernel_probe.py sweeps them.
 VERIFY_BLOCKS = {"bc": 16, "bv": None, "warps": None, "prec": "tf32x3"}
-LAST = {}  # the last compiled verify launch (the bench reads its registers and spills)
 
 if HAS_TRITON:
 
@@ -284,7 +283,7 @@ def verify(q, k, v, a, b, tok, mask, state, slot, out, orow, stash, srow, scale,
     d = t - 1 if depth is None else min(t - 1, depth)
     # 16-bit dots on the GPU (the interpreter multiplies bf16 wrongly: it upcasts)
     native = q.dtype in (torch.bfloat16, torch.float16) and not interpreting()
-    LAST["verify"] = _verify_kernel[(n, hv, triton.cdiv(vd, bv))](
+    _verify_kernel[(n, hv, triton.cdiv(vd, bv))](
         q, k, v, q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1),
         v.stride(2), a, b, a.stride(0), b.stride(0), _i64(tok),
         A_log if gates else a, dt_bias if gates else a, mask, state, _i64(slot), st[0],

@@ -215,7 +215,7 @@ class GDNTree:
         (gates, l2 norm, the delta rule; o straight to the output rows, the stash to
         its rows), reading x, a, b and the caches in place."""
         nk, nv, kd, vd = dims
-        n, t, w = p.n, p.t, self.width
+        n, t = p.n, p.t
         tokens = x_all.shape[0]
         slots = self.slots[layer.prefix][:n]
         x_all = x_all if x_all.stride(1) == 1 else x_all.contiguous()
