@@ -39,6 +39,9 @@ Target (``write_target``): Qwen3ForCausalLM, float32 safetensors via save_pretra
     the word ``w<i>`` (bos ``<s>``, eos ``</s>``, mask ``<mask>``), words are split on
     whitespace and joined with spaces, and the chat template joins the messages'
     contents; so the text "w5 w17 w42" is exactly the prompt [5, 17, 42].
+    ``tokenizer="bytes"``: a byte-level BPE trained on a fixed synthetic corpus of
+    JSON and words (any text, JSON schemas and tool calls; same ids for bos / eos /
+    mask).
 
 Drafter (``write_drafter``): config.json with ``architectures: ["DFlashDraftModel"]``
 and a model.safetensors whose names are what vLLM 0.32.0's
@@ -116,6 +119,7 @@ TARGET_DEFAULTS = dict(
     bos_token_id=0,
     eos_token_id=1,
     sliding_window=None,  # W: every layer attends the last W positions only
+    tokenizer="words",  # "words" (id i <-> "w<i>") | "bytes" (byte-level BPE, JSON text)
 )
 
 DRAFTER_DEFAULTS = dict(
@@ -189,16 +193,23 @@ def _init_tensor(name: str, shape, gen: torch.Generator, *, strength: float,
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
-def write_tokenizer(out_dir, vocab_size: int, bos: int, eos: int, mask: int) -> None:
-    """tokenizer.json + tokenizer_config.json: id i <-> the word "w<i>" (see above)."""
+def write_tokenizer(out_dir, vocab_size: int, bos: int, eos: int, mask: int,
+                    kind: str = "words") -> None:
+    """tokenizer.json + tokenizer_config.json: id i <-> the word "w<i>" (see above), or
+    with kind "bytes" a byte-level BPE (``_byte_bpe``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     special = {bos: "<s>", eos: "</s>", mask: "<mask>"}
-    vocab = {special.get(i, f"w{i}"): i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<mask>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins with spaces
-    tok.add_special_tokens(list(special.values()))
+    if kind == "bytes":
+        tok = _byte_bpe(vocab_size, special)
+    elif kind == "words":
+        vocab = {special.get(i, f"w{i}"): i for i in range(vocab_size)}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<mask>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins with spaces
+        tok.add_special_tokens(list(special.values()))
+    else:
+        raise ValueError(f"unknown tokenizer kind {kind!r}")
     out = Path(out_dir)
     tok.save(str(out / "tokenizer.json"))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
@@ -206,6 +217,44 @@ def write_tokenizer(out_dir, vocab_size: int, bos: int, eos: int, mask: int) -> 
            "model_max_length": 1 << 20, "chat_template": CHAT_TEMPLATE}
     with open(out / "tokenizer_config.json", "w") as f:
         json.dump(cfg, f, indent=1)
+
+
+def _bpe_corpus(n: int = 3000):
+    """A fixed synthetic corpus: small JSON objects and runs of words."""
+    import random
+
+    rng = random.Random(0)
+    keys = ["name", "color", "count", "ok", "items", "city", "id", "value", "tool", "args"]
+    words = ["red", "green", "blue", "alpha", "beta", "gamma", "paris", "oslo", "true",
+             "false", "null", "hello", "world"]
+    for _ in range(n):
+        obj = {rng.choice(keys): rng.choice([rng.choice(words), rng.randrange(1000),
+                                             rng.random() < .5, [rng.randrange(99)]])
+               for _ in range(rng.randrange(1, 4))}
+        yield json.dumps(obj, separators=rng.choice([(",", ":"), (", ", ": ")]))
+        yield " ".join(rng.choice(words) for _ in range(rng.randrange(2, 9)))
+
+
+def _byte_bpe(vocab_size: int, special: dict):
+    """A byte-level BPE (GPT-2 style: any text) with exactly vocab_size ids, the special
+    tokens at their ids (bos 0 and eos 1 trained first, the mask last)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    ids = sorted(special)
+    if ids != [0, 1, vocab_size - 1]:
+        raise ValueError(f"the bytes tokenizer wants bos 0, eos 1, mask vocab-1: {special}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1, special_tokens=[special[0], special[1]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_bpe_corpus(), trainer)
+    tok.add_special_tokens([special[vocab_size - 1]])
+    if tok.get_vocab_size() != vocab_size or tok.token_to_id(special[vocab_size - 1]) \
+            != vocab_size - 1:
+        raise ValueError(f"a bytes tokenizer of {vocab_size} ids needs vocab_size >= 300")
+    return tok
 
 
 def write_target(out_dir, **params) -> Path:
@@ -250,7 +299,8 @@ def write_target(out_dir, **params) -> Path:
     new["lm_head.weight"][mask] = 0.0
     model.load_state_dict(new, strict=True)
     model.save_pretrained(out, safe_serialization=True)
-    write_tokenizer(out, p["vocab_size"], p["bos_token_id"], p["eos_token_id"], mask)
+    write_tokenizer(out, p["vocab_size"], p["bos_token_id"], p["eos_token_id"], mask,
+                    p["tokenizer"])
     with open(out / "tiny_model.json", "w") as f:
         json.dump({"role": "target", "params": p, "mask_token_id": mask}, f, indent=1)
     return out

@@ -49,7 +49,9 @@ SPEC.json::
               "prompts": [[5, 17, 42], [9, 8, 7, 6]],  # token ids, one list per prompt
               "sampling": {"temperature": 0.0, "max_tokens": 24, "ignore_eos": true},
                                          # (or a list: one SamplingParams per prompt)
-              "repeat": 1                # run the same job N times
+              "repeat": 1,               # run the same job N times
+              "decode": false            # true: each output's "text" (the tokenizer's
+                                         # decode of its token ids, specials left out)
             }
           ]
         }
@@ -279,6 +281,11 @@ def run_one(cfg: dict, teardown: bool) -> dict:
                 dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 metrics = _delta(_snapshot(llm), before)
                 outputs = [[_completion(c) for c in o.outputs] for o in outs]
+                if job.get("decode"):  # the tokens' text, specials left out
+                    tok = llm.get_tokenizer()
+                    for o in outputs:
+                        for c in o:
+                            c["text"] = tok.decode(c["token_ids"], skip_special_tokens=True)
                 runs.append({
                     "generate_s": dt,
                     "generate_cpu_s": dc,

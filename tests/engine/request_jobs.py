@@ -37,7 +37,12 @@ SAMPLED_MIX = [  # ids in [2, 9): not bos / eos / the small target's mask token 
                     "repetition_penalty": 1.5}),
     ([6, 2, 8, 4], {"min_p": 0.15}),
     ([4, 2, 6, 8], {}),
+    # a grammar (words of the small target's tokenizer): w2-w4, then w5-w8, ...; eos
+    # ends the output where the grammar allows it
+    ([3, 7, 2, 5], {"structured_outputs": {"regex": "(w[2-4]w[5-8])+"},
+                    "ignore_eos": False}),
 ]
+SAMPLED_RE = r"(w[2-4]w[5-8])*(w[2-4])?"  # a prefix of the grammar's language
 SMALL = {"vocab_size": 10, "logit_scale": 8.0}  # the small target's tiny_models params
 
 
@@ -178,3 +183,45 @@ def chi_square(ref: list[tuple], got: list[tuple]) -> tuple[float, float, int]:
     joint, pat = pooled(ref, got), pooled(pattern(ref), pattern(got))
     p_pat = chi2_contingency(pat)[1] if len(pat) > 1 else 1.0
     return chi2_contingency(joint)[1], p_pat, len(joint)
+
+
+# JSON (the bytes pair: the default target with a byte-level BPE tokenizer, which writes
+# any text): a schema whose every field ends (enum, boolean, bounded integer, short
+# string), xgrammar without free whitespace (else a random model writes whitespace)
+JSON_SCHEMA = {"type": "object", "additionalProperties": False,
+               "required": ["ok", "color", "n", "name"],
+               "properties": {"ok": {"type": "boolean"},
+                              "color": {"enum": ["red", "green", "blue"]},
+                              "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                              "name": {"type": "string", "maxLength": 6}}}
+JSON_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
+JSON_GREEDY = {"temperature": 0.0, "max_tokens": 64}
+
+
+def json_jobs(prompts_of) -> list[dict]:
+    """A JSON-schema job, the same prompts plain, and one batch with a JSON request
+    next to a regex one next to a plain one with penalties (outputs decoded)."""
+    js = {**JSON_GREEDY, "structured_outputs": {"json": JSON_SCHEMA}}
+    out = [job("json_schema", prompts_of(0), js)]
+    out.append(plain_job("json_plain", out))
+    out.append(job("json_mixed", prompts_of(1)[:3], [
+        js, {**JSON_GREEDY, "structured_outputs": {"regex": "[a-z]{2,8}( [a-z]{2,8}){1,5}"}},
+        {**GREEDY, **FEATURES["penalties"]}]))
+    for j in out:
+        j["decode"] = True
+    return out
+
+
+def json_valid(text: str) -> bool:
+    """text is one JSON object that JSON_SCHEMA accepts."""
+    import json
+
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    props = JSON_SCHEMA["properties"]
+    return (isinstance(obj, dict) and sorted(obj) == sorted(props)
+            and isinstance(obj["ok"], bool) and obj["color"] in props["color"]["enum"]
+            and type(obj["n"]) is int and 0 <= obj["n"] <= 99
+            and isinstance(obj["name"], str) and len(obj["name"]) <= 6)

@@ -80,6 +80,11 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
     penalty_plain = rq.plain_job("penalty_plain", penalties)
     structured = rq.structured_jobs(lambda k: engine_prompts(LENGTHS[2:6], seed=30 + k))
     words = {"skip_tokenizer_init": False}
+    # JSON schemas: the default target's weights with a byte-level BPE tokenizer
+    jpair = make_tiny_models(target={"tokenizer": "bytes"})
+    json_llm = {"model": jpair["target"], "skip_tokenizer_init": False,
+                "structured_outputs_config": rq.JSON_CONFIG}
+    json_jobs = rq.json_jobs(lambda k: engine_prompts(LENGTHS[2:6], seed=40 + k))
 
     def dflash(model, k):
         return {**target, "speculative_config": {"method": "dflash", "model": model,
@@ -89,9 +94,10 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
         {"name": "nospec", "llm": target, "jobs": jobs + features + [feature_plain]},
         {"name": "dflash", "llm": dflash(tiny_models["drafter"], DEPTH), "jobs": jobs[:1]},
         {"name": "swa_nospec", "llm": {"model": swa["target"]}, "jobs": jobs},
-        {"name": "small10_nospec", "llm": {"model": small10["target"]},
+        {"name": "small10_nospec", "llm": {"model": small10["target"], **words},
          "jobs": penalties + [penalty_plain, rq.sampled_mix_job()]},
         {"name": "words_nospec", "llm": {**target, **words}, "jobs": structured},
+        {"name": "json_nospec", "llm": json_llm, "jobs": json_jobs},
     ]}, env_copy["work"], "stock")
     base = stock["nospec"]["jobs"]["greedy"]["token_ids"]
     sequences = [p + t for p, t in zip(prompts, base)]
@@ -106,6 +112,8 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
             ("perfect", sequences, [1.0], 12.0),
             ("mixed", sequences + continuations(stock["nospec"], features[:-1])
              + continuations(stock["words_nospec"], structured[:len(rq.STRUCTURED)]),
+             [0.5, 0.3, 0.15], 4.0),
+            ("json", continuations(stock["json_nospec"], json_jobs),
              [0.5, 0.3, 0.15], 4.0),
             ("swa", continuations(stock["swa_nospec"], jobs), [0.5, 0.3, 0.15], 4.0),
             ("small10", continuations(stock["small10_nospec"], penalties),
@@ -137,7 +145,7 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
         if synth:
             sc["ddtree_synthetic"] = synthetic[synth]
         cfg = {"llm": {**(model or target), "speculative_config": sc},
-               "jobs": jobs + list(extra_jobs)}
+               "jobs": (json_jobs if model is json_llm else jobs) + list(extra_jobs)}
         if stats:
             cfg["env"] = {"VLLM_DDTREE_STATS_FILE": str(work / f"stats-{stats}.json")}
         return cfg
@@ -149,7 +157,7 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
     swa_b8 = ddtree(8, drafter=swa["drafter"], synth="swa", stats="swa_b8",
                     model={"model": swa["target"]})
     small10_b8 = ddtree(8, drafter=small10["drafter"], synth="small10", stats="small10_b8",
-                        model={"model": small10["target"]})
+                        model={"model": small10["target"], **words})
     small10_b8["jobs"] = penalties + [rq.sampled_mix_job()]
     patched = _run(env_copy["python"], {"configs": [
         {"name": "nospec", "llm": {**target, **words},
@@ -174,14 +182,18 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
         {"name": "b8_per_batch", **_per_batch(ddtree(8, synth="mixed", stats="b8_per_batch"))},
         {"name": "swa_b8", **swa_b8},
         {"name": "small10_b8", **small10_b8},
+        {"name": "json_b8", **ddtree(8, drafter=jpair["drafter"], synth="json",
+                                     stats="json_b8", model=json_llm)},
     ]}, work, "patched")
     stats = {}
     for name in ("b2", "b8_random", "b24_perfect", "b8_mixed", "b8_auto", "small_b8",
-                 "b8_per_batch", "small_b8_per_batch", "swa_b8", "small10_b8"):
+                 "b8_per_batch", "small_b8_per_batch", "swa_b8", "small10_b8",
+                 "json_b8"):
         stats[name] = json.loads((work / f"stats-{name}.json").read_text())
     return {"stock": stock, "patched": patched, "stats": stats, "prompts": prompts,
             "stop_at": stop_at, "jobs": {j["name"]: j for j in features + penalties
-                                         + structured + [feature_plain, penalty_plain]}}
+                                         + structured + json_jobs
+                                         + [feature_plain, penalty_plain]}}
 
 
 def _small_prompts(seed: int) -> list[list[int]]:
@@ -406,6 +418,28 @@ def test_grammar_cuts_forbidden_drafts(runs):
     assert s.get("grammar_cut", 0) > 0 and s.get("grammar_kept", 0) > 0, s
 
 
+@pytest.mark.parametrize("job", ["json_schema", "json_mixed"])
+def test_json_schema_equal_nospec(runs, job):
+    """JSON schemas (xgrammar, a byte-level BPE tokenizer): DDTree equals the stock
+    no-spec output token for token, every JSON answer is complete and valid, the schema
+    changed the output; in the mixed batch a regex request and a penalised plain one
+    next to the JSON one are equal too.  The synthetic drafter drafts the no-spec
+    continuations at ranks 0-2, so accepted paths run deep through the grammar."""
+    ref = rq.outputs(runs["stock"]["json_nospec"], job)
+    got = rq.outputs(runs["patched"]["json_b8"], job)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
+    answers = got[:1] if job == "json_mixed" else got
+    assert all(o["finish_reason"] == "stop" and rq.json_valid(o["text"])
+               for o in answers), [o["text"] for o in answers]
+    if job == "json_schema":
+        jobs = runs["jobs"]
+        assert rq.changed(runs["stock"]["json_nospec"], jobs[job], jobs["json_plain"]) >= 3
+    m = runs["patched"]["json_b8"]["jobs"][job]["metrics"]
+    assert m["num_accepted_tokens"] > 0
+    s = runs["stats"]["json_b8"]
+    assert s["accepted_per_depth"].get(str(DEPTH), 0) > 0 and s.get("grammar_kept", 0) > 0
+
+
 @pytest.mark.parametrize("job", ["feature_bad_words", "feature_min_tokens"])
 def test_features_set_from_the_output(runs, job):
     """bad_words (one-token and two-token words taken from the plain output) and
@@ -439,7 +473,7 @@ def test_penalties_count_each_nodes_path(runs, job):
 
 def test_sampled_penalties_and_min_p_keep_the_distribution(runs):
     """T = 1 on the small target, one batch: penalties next to min_p next to a plain
-    request, 2000 samples of 3 tokens each.  The joint distribution and the repeat
+    request next to a grammar (structured outputs), 2000 samples of 3 tokens each.  The joint distribution and the repeat
     pattern (which positions hold the same token) match no-spec.  (Counting penalties
     over the committed output only: pattern p 1e-4; skipping min_p: joint p 1e-130.)"""
     ref_run = runs["stock"]["small10_nospec"]["jobs"]["sampled_mix"]["runs"][0]["outputs"]
@@ -454,6 +488,10 @@ def test_sampled_penalties_and_min_p_keep_the_distribution(runs):
     assert all(pj > 0.001 and pp > 0.001 for _, pj, pp, _ in found), found
     s = runs["stats"]["small10_b8"]
     assert s["accepted_non_first_child"] > 0 and s["accepted_per_depth"].get("2", 0) > 0
+    import re  # the grammar's samples: all valid
+
+    assert all(re.fullmatch(rq.SAMPLED_RE, rq.words(t for t in o["token_ids"] if t != EOS))
+               for o in got_run[-1]), got_run[-1][:5]
 
 
 def test_sliding_window_target(runs):

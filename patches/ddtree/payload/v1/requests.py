@@ -31,6 +31,18 @@ def processed(p) -> bool:
                                    or p.bad_words_token_ids or p.min_tokens))
 
 
+def batch_requests(runner, n: int) -> list:
+    """(SamplingParams, output token ids) of the request in each of the first n batch
+    rows of a V1 runner, None where there is none: rows past the batch's requests, e.g.
+    all n of the CUDA runner's profile run (_dummy_sampler_run)."""
+    out = []
+    for rid in runner.input_batch.req_ids[:n]:
+        req = runner.requests.get(rid)
+        params = getattr(req, "sampling_params", None)
+        out.append(None if params is None else (params, req.output_token_ids))
+    return out + [None] * (n - len(out))
+
+
 def node_paths(tree, i: int, rows: int) -> list[list[int]]:
     """Draft tokens from the root to each verify row of request ``i`` (row 0: the root,
     row 1 + j: node j; rows past its nodes repeat its last path, they are never read)."""

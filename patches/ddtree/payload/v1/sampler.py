@@ -26,7 +26,7 @@ from vllm.v1.outputs import SamplerOutput
 
 from ..core import (DDTree, chain_depths, chain_parents, target_probs, walk_greedy,
                     walk_sampled)
-from .requests import emitted_logprobs, min_p_of, process_rows
+from .requests import batch_requests, emitted_logprobs, min_p_of, process_rows
 
 WALK_SEED_SALT = 0xDD7EE  # the walk's own stream, apart from the engine seed's
 
@@ -63,7 +63,7 @@ class DDTreeSampler(nn.Module):
             if dev.type == "cuda":  # pinned + non-blocking: no wait for the forward
                 idx = idx.pin_memory().to(dev, non_blocking=True)
             rows = logits[idx.to(dev)].view(n, dmax + 1, -1)
-        reqs = self._requests(n)
+        reqs = batch_requests(self.runtime.runner, n)
         target = process_rows(rows, tree, reqs,
                               getattr(sampling_metadata, "prompt_token_ids", None))
         if sampling_metadata.all_greedy:
@@ -83,16 +83,6 @@ class DDTreeSampler(nn.Module):
         if k is not None:
             logprobs = emitted_logprobs(self.sampler, rows, res, out, k)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
-
-    def _requests(self, n):
-        """(SamplingParams, output token ids) of each batch row's request (or None)."""
-        runner = self.runtime.runner
-        out = []
-        for rid in runner.input_batch.req_ids[:n]:
-            req = runner.requests.get(rid)
-            params = getattr(req, "sampling_params", None)
-            out.append(None if params is None else (params, req.output_token_ids))
-        return out
 
     @staticmethod
     def _chains(metadata, num_drafts, dev) -> DDTree:
