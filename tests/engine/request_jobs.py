@@ -187,13 +187,14 @@ def chi_square(ref: list[tuple], got: list[tuple]) -> tuple[float, float, int]:
 
 # JSON (the bytes pair: the default target with a byte-level BPE tokenizer, which writes
 # any text): a schema whose every field ends (enum, boolean, bounded integer, short
-# string), xgrammar without free whitespace (else a random model writes whitespace)
+# string of letters), xgrammar without free whitespace (else a random model writes
+# whitespace)
 JSON_SCHEMA = {"type": "object", "additionalProperties": False,
                "required": ["ok", "color", "n", "name"],
                "properties": {"ok": {"type": "boolean"},
                               "color": {"enum": ["red", "green", "blue"]},
                               "n": {"type": "integer", "minimum": 0, "maximum": 99},
-                              "name": {"type": "string", "maxLength": 6}}}
+                              "name": {"type": "string", "pattern": "^[a-z]{1,6}$"}}}
 JSON_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
 JSON_GREEDY = {"temperature": 0.0, "max_tokens": 64}
 
@@ -215,6 +216,7 @@ def json_jobs(prompts_of) -> list[dict]:
 def json_valid(text: str) -> bool:
     """text is one JSON object that JSON_SCHEMA accepts."""
     import json
+    import re
 
     try:
         obj = json.loads(text)
@@ -224,4 +226,4 @@ def json_valid(text: str) -> bool:
     return (isinstance(obj, dict) and sorted(obj) == sorted(props)
             and isinstance(obj["ok"], bool) and obj["color"] in props["color"]["enum"]
             and type(obj["n"]) is int and 0 <= obj["n"] <= 99
-            and isinstance(obj["name"], str) and len(obj["name"]) <= 6)
+            and isinstance(obj["name"], str) and re.fullmatch("[a-z]{1,6}", obj["name"]))

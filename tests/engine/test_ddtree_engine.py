@@ -413,9 +413,12 @@ EOS = 1  # the tiny target's eos (verify/tiny_models.py)
 def test_grammar_cuts_forbidden_drafts(runs):
     """The b8_mixed engine's structured requests: drafts the grammar forbids were cut
     before verify (its synthetic drafter also drafts unconstrained continuations), and
-    drafts it allows were verified."""
+    drafts it allows were verified, also those after a cut node in pop order."""
     s = runs["stats"]["b8_mixed"]
     assert s.get("grammar_cut", 0) > 0 and s.get("grammar_kept", 0) > 0, s
+    # nodes after a forbidden one in pop order were kept (the tree pruned, not cut)
+    assert s.get("grammar_pruned", 0) + runs["stats"]["json_b8"].get("grammar_pruned", 0) \
+        > 0, s
 
 
 @pytest.mark.parametrize("job", ["json_schema", "json_mixed"])

@@ -40,6 +40,9 @@ EPS = 0.125  # nats: the smallest no-spec top-1/top-2 gap a difference may occur
 MAX_TOKENS = 32
 DEPTH = 3  # the drafter's block_size 4 - 1
 BUDGETS = ("b4", "b16", "b8_mixed", "b24_perfect")
+SMALL = {"vocab_size": 24, "logit_scale": 8.0}  # the sampled job's hybrid
+SAMPLES = 2000
+SAMPLED_PROMPT = [5, 9, 3, 7, 12]
 
 
 def _cli(*args, state: Path) -> subprocess.CompletedProcess:
@@ -68,18 +71,20 @@ def _copy_env(vllm_cpu_python: str, work: Path, name: str, *apply_args) -> dict:
     return {"python": py, "state": state, "site": next(copy.glob("lib/python3*/site-packages"))}
 
 
-@pytest.fixture(scope="module")
-def hybrid(vllm_cpu_python, tool_env) -> dict:
-    """The tiny hybrid pair, cached by the builders' sources (deterministic)."""
-    h = hashlib.sha256(HYBRID.read_bytes() + (VERIFY / "tiny_models.py").read_bytes())
+def _hybrid_pair(vllm_cpu_python, tool_env, params: dict | None = None) -> dict:
+    """A tiny hybrid pair (tiny_hybrid.py --params), cached by the builders' sources and
+    the params (deterministic)."""
+    arg = json.dumps(params or {}, sort_keys=True)
+    h = hashlib.sha256(HYBRID.read_bytes() + (VERIFY / "tiny_models.py").read_bytes()
+                       + (arg.encode() if params else b""))
     root = Path(os.environ.get("DDTREE_TINY_MODEL_CACHE")
                 or Path.home() / ".cache" / "ddtree-patch" / "tiny-models")
     out = root / f"hybrid-{h.hexdigest()[:16]}"
     if not (out / "done.json").is_file():
         tmp = root / f".{out.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        p = subprocess.run([vllm_cpu_python, str(HYBRID), str(tmp)], capture_output=True,
-                           text=True, env=tool_env)
+        p = subprocess.run([vllm_cpu_python, str(HYBRID), str(tmp), "--params", arg],
+                           capture_output=True, text=True, env=tool_env)
         assert p.returncode == 0, p.stderr[-3000:]
         (tmp / "done.json").write_text(p.stdout)
         try:
@@ -89,13 +94,19 @@ def hybrid(vllm_cpu_python, tool_env) -> dict:
     return {"target": str(out / "target"), "drafter": str(out / "drafter")}
 
 
+@pytest.fixture(scope="module")
+def hybrid(vllm_cpu_python, tool_env) -> dict:
+    """The tiny hybrid pair (tiny_hybrid.py's defaults)."""
+    return _hybrid_pair(vllm_cpu_python, tool_env)
+
+
 def _prompts(lengths, seed):
     rng = random.Random(seed)
     return [[rng.randrange(2, 511) for _ in range(n)] for n in lengths]  # 511: mask
 
 
 @pytest.fixture(scope="module")
-def setup(vllm_cpu_python, hybrid, tmp_path_factory):
+def setup(vllm_cpu_python, hybrid, tool_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("gdn-engine")
     prompts = _prompts((3, 7, 12, 17, 23, 29, 34, 40), seed=0)
     long_prompt = _prompts((500,), seed=5)[0]  # runs into max_model_len 512
@@ -107,9 +118,17 @@ def setup(vllm_cpu_python, hybrid, tmp_path_factory):
     ref_jobs = [{**j, "sampling": {**j["sampling"], "logprobs": 2}} for j in jobs]
     dflash = {**target, "speculative_config": {"method": "dflash", "model": hybrid["drafter"],
                                                "num_speculative_tokens": DEPTH}}
+    # sampled (T = 1): a hybrid with a small vocabulary and narrow margins, so that the
+    # joint of 3 tokens has few, well-filled outcomes
+    small = _hybrid_pair(vllm_cpu_python, tool_env, {"target": SMALL})
+    small_target = {**target, "model": small["target"]}
+    sampled = {"name": "sampled", "prompts": [SAMPLED_PROMPT],
+               "sampling": {"temperature": 1.0, "max_tokens": 3, "n": SAMPLES,
+                            "ignore_eos": True}}
     stock = _ok(_run(vllm_cpu_python, {"configs": [
         {"name": "nospec", "llm": target, "jobs": ref_jobs},
         {"name": "dflash", "llm": dflash, "jobs": jobs},
+        {"name": "small_nospec", "llm": small_target, "jobs": [sampled]},
     ]}, work, "stock"))
     base = stock["nospec"]["jobs"]["greedy"]["token_ids"]
     synthetic = {}
@@ -141,9 +160,13 @@ def setup(vllm_cpu_python, hybrid, tmp_path_factory):
         *[ddtree(n) for n in BUDGETS],
         {"name": "prefix_caching", "isolate": True, "jobs": jobs[:1], "llm": {
             **ddtree("b4")["llm"], "enable_prefix_caching": True}},
+        {"name": "small_b8", "jobs": [sampled],
+         "env": {"VLLM_DDTREE_STATS_FILE": str(work / "stats-small_b8.json")},
+         "llm": {**small_target, "speculative_config": {
+             "method": "ddtree", "model": small["drafter"], "num_speculative_tokens": 8}}},
     ]}, work, "patched")
-    stats = {n: json.loads((work / f"stats-{n}.json").read_text()) for n in BUDGETS
-             if (work / f"stats-{n}.json").is_file()}
+    stats = {n: json.loads((work / f"stats-{n}.json").read_text())
+             for n in (*BUDGETS, "small_b8") if (work / f"stats-{n}.json").is_file()}
 
     # without ddtree-gdn DDTree refuses; then the tree path, broken on purpose
     other_env = _copy_env(vllm_cpu_python, work, "other", "--skip", "ddtree-gdn")
@@ -212,6 +235,29 @@ def test_stop_token_inside_an_accepted_path(setup):
     got = setup["patched"]["b24_perfect"]["jobs"]["stop"]["runs"][0]["outputs"][0][0]
     assert ref["finish_reason"] == "stop" and len(ref["token_ids"]) == setup["stop_at"] + 1
     assert got == ref
+
+
+def test_sampled_ddtree_keeps_the_target_distribution(setup):
+    """T = 1, 2000 samples of 3 tokens: the joint distribution of DDTree's outputs (the
+    sampled walk, the GDN state committed along paths that leave the first child)
+    matches no-spec's (chi-square; bf16 rounding differences are far below what 2000
+    samples resolve)."""
+    import request_jobs as rq
+    from scipy.stats import chi2_contingency
+
+    def joint(run):
+        outs = run["jobs"]["sampled"]["runs"][0]["outputs"][0]
+        assert len(outs) == SAMPLES
+        return [tuple(o["token_ids"]) for o in outs]
+
+    ref = joint(setup["stock"]["small_nospec"])
+    got = joint(_ok({"small_b8": setup["patched"]["small_b8"]})["small_b8"])
+    table = rq.pooled(ref, got)
+    assert len(table) >= 5, "too few distinct outcomes for a meaningful test"
+    p = chi2_contingency(table)[1]
+    assert p > 0.001, (p, table)
+    s = setup["stats"]["small_b8"]
+    assert s["accepted"] > 0 and s["accepted_non_first_child"] > 0, s
 
 
 def test_stock_paths_untouched(setup):

@@ -53,10 +53,11 @@ class Server:
     """One OpenAI server process group, its log, and a tiny HTTP client."""
 
     def __init__(self, python: str, model: str, log: Path, spec: dict | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, args: tuple = ()):
         self.port, self.log = _free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [python, *SERVER, "--model", model, *CPU_FLAGS, "--port", str(self.port)]
+        cmd = [python, *SERVER, "--model", model, *CPU_FLAGS, "--port", str(self.port),
+               *args]
         if spec:
             cmd += ["--speculative-config", json.dumps(spec)]
         self.t0 = time.perf_counter()

@@ -198,10 +198,19 @@ ATTACH_DUMMY = hook("GPUModelRunner._dummy_run", "self.ddtree.attach_dummy(attn_
                     at=lambda c: c.lstrip().startswith(
                         "attn_metadata, _ = self._build_attention_metadata("))
 
+# the drafts handed to the scheduler carry their tree (its grammar masks need it, also
+# when the worker runs in another process: v1/grammar.py)
+DRAFT_TREES = hook("GPUModelRunner.take_draft_token_ids",
+                   "draft_token_ids = self.ddtree.with_trees(req_ids, draft_token_ids)",
+                   guard=RUNTIME, before=True,
+                   at=lambda c: c.strip() == "return DraftTokenIds(req_ids, draft_token_ids)")
+
 SAMPLER_RUNNER_EDIT = file_edit(RUNNER, [
     runtime_step("v1.cuda.make_runtime"), PREPARE, ATTACH, ATTACH_DUMMY, COMMIT,
+    DRAFT_TREES,
 ], "tree sampler, tree positions, tree attention metadata (also for CUDA-graph "
-   "capture), path commit; the CUDA runtime on GPUs, the CPU one on CPUs")
+   "capture), path commit, the drafts' trees for the scheduler; the CUDA runtime on "
+   "GPUs, the CPU one on CPUs")
 
 CPU_ATTN_EDIT = file_edit(CPU_ATTN, [
     hook("CPUAttentionBackendImpl.forward",

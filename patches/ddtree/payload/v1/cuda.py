@@ -116,6 +116,11 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         i = index_of.get(req_id)
         return None if i is None else (tree.tokens[i], tree.parents[i])
 
+    def prune(self, req_id: str, keep: list[int]) -> bool:
+        """Not on CUDA yet (the stored tree is the batch's device tree): the grammar
+        keeps the longest allowed prefix of the pop order instead."""
+        return False
+
     # ---------------------------------------------------------------- runner hooks
     def prepare(self, scheduler_output, total_tokens: int) -> None:
         self.step, self.walk = None, None

