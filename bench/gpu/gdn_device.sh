@@ -9,12 +9,15 @@
 # Stages: install (bundle + record_trim + the tool), apply (status, apply, verify),
 # tests (GPU tests of the GDN path), eq / eqg (equality_gdn eager / FULL graphs),
 # eqb (bf16 with the DFlash control), bench (GDN layer: tree vs chain), step (27B-shape
-# step, STEP_CONFIGS one process each).  VERIFY=0: apply without `verify`.
+# step, STEP_CONFIGS one process each), e2e (27B-shape step phases and end-to-end
+# tokens/s, step_bench.py; not run yet).  VERIFY=0: apply without `verify`.
 # Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows.
 # A fresh machine compiles vLLM's Triton kernels at its first engine start (~150 s for
 # the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
 # give the first engine stage that time (run 14's eq and step calls timed out on it).
 # A session's plan (30 min): b1; install apply tests (verify on); eqg eq; step bench.
+# Run 15 did that; next: b1; install apply (VERIFY=0); eq with EQ_ROWS=ddtree_v1 (the V1
+# fix); python3 bench/gpu/gdn_profile.py (ddtree16, dflash); e2e over several calls.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -71,6 +74,19 @@ for s in ${STAGES:-install apply tests eq}; do
         timeout $(left ${T_STEP:-300}) python3 bench/gpu/gdn_step_bench.py "$OUT/step_$cfg" $cfg \
           --batches ${STEP_BATCHES:-1,2} --rounds ${STEP_ROUNDS:-3} > "$OUT/step_$cfg.txt" 2>&1
         grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/step_$cfg.txt" | tail -6
+      done ;;
+    e2e)  # the 27B shape end to end (step_bench.py, BENCH_SHAPE=qwen36_27b): step phases,
+      # then tokens/s with the calibrated synthetic drafter; alternating fresh processes,
+      # E2E_ROUNDS round ids (spread rounds over calls), E2E_CONFIGS step_bench configs
+      for i in ${E2E_ROUNDS:-1}; do
+        for c in ${E2E_CONFIGS:-chain15async ddtree16autoasync ddtree16async}; do
+          stamp e2e r$i $c
+          BENCH_SHAPE=qwen36_27b VLLM_USE_V2_MODEL_RUNNER=1 BENCH_BATCHES=${E2E_STEP:-1,2} \
+            BENCH_E2E_BATCHES=${E2E_BATCHES:-1,2,4,16} BENCH_E2E_ALL=1 \
+            timeout "$(left ${T_E2E:-300})" python3 bench/gpu/step_bench.py "$OUT/e2e/r$i" "$c" \
+            > "$OUT/e2e_r${i}_$c.txt" 2>&1
+          grep -E " N [0-9]+ step ms|e2e" "$OUT/e2e_r${i}_$c.txt" | cut -c1-110
+        done
       done ;;
   esac
 done

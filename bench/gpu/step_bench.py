@@ -71,7 +71,10 @@ E2E_NEW = int(os.environ.get("BENCH_E2E_NEW", "128"))  # tokens per request, end
 PROFILES = {"rand": None, "p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
             "p90": [0.9, 0.05, 0.02]}
 L = 15
-BASE = "/tmp/bench_models"
+# BENCH_SHAPE=qwen36_27b: the Qwen3.6-27B-shaped GDN hybrid of gdn_step_bench.py (TRITON_ATTN,
+# Triton GDN prefill, its [S,S,S,S,F] drafter) instead of the Qwen3-8B shape
+GDN = os.environ.get("BENCH_SHAPE", "qwen3_8b") == "qwen36_27b"
+BASE = "/tmp/gdn27b_models" if GDN else "/tmp/bench_models"
 V2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
 
 
@@ -133,6 +136,10 @@ def budget_at(spec: dict, n: int) -> int:
 
 
 def make_models():
+    if GDN:
+        import gdn_step_bench
+
+        return gdn_step_bench.make_models()
     cfg = C.qwen3_config(**C.QWEN3_8B)
     C.write_target(f"{BASE}/target", cfg, random_weights=False)
     if not os.path.exists(f"{BASE}/drafter/model.safetensors"):
@@ -162,6 +169,10 @@ def engine(spec: dict, **llm_kw):
               gpu_memory_utilization=0.3, attention_backend="FLASH_ATTN",
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   "cudagraph_capture_sizes": sizes})
+    if GDN:  # as gdn_step_bench.py runs it (54 GB of weights; the bundle has no FlashInfer)
+        kw.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.8,
+                  enable_prefix_caching=False,
+                  additional_config={"gdn_prefill_backend": "triton"})
     if spec["kind"] != "nospec":
         sc = {"model": f"{BASE}/drafter", "num_speculative_tokens": k,
               "draft_load_config": LoadConfig(load_format="safetensors")}
@@ -379,13 +390,16 @@ class FastSynthetic:
 
 
 def rewire_target(runner, seed=0):
-    """Greedy next token = pi(current token), robustly (large margins in bf16)."""
+    """Greedy next token = pi(current token), robustly (large margins in bf16): every
+    layer's output projection zeroed (attention o_proj, MLP down_proj, GDN out_proj),
+    so the residual stream is the embedding, and the final norm the identity scale."""
     model = runner.model
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
                 p.zero_()
-        model.model.norm.weight.fill_(1.0)
+        norm = model.model.norm  # Qwen3.5 / Qwen3-Next (GemmaRMSNorm) scale by 1 + w
+        norm.weight.fill_(0.0 if "Gemma" in type(norm).__name__ else 1.0)
         emb = model.model.embed_tokens.weight
         v = emb.shape[0]
         g = torch.Generator(device=emb.device).manual_seed(seed)
