@@ -204,13 +204,14 @@ def _answer(path: str, body: dict, status: int, res) -> dict:
             "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason")}
 
 
-def _concurrently(calls: dict) -> dict:
-    """Run {key: (server, path, body)} at the same time; {key: answer}."""
-    out, errors = {}, []
+def post_all(calls: dict) -> dict:
+    """POST {key: (server, path, body)} all at the same time; {key: (status, JSON)}.
+    A request that raised (e.g. timed out) fails here, naming its key."""
+    raw, errors = {}, []
 
     def one(key, server, path, body):
         try:
-            out[key] = _answer(path, body, *server.post(path, body))
+            raw[key] = server.post(path, body)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(f"{key}: {type(e).__name__}: {e}")
 
@@ -220,7 +221,13 @@ def _concurrently(calls: dict) -> dict:
     for t in threads:
         t.join(REQUEST_TIMEOUT_S + 30)
     assert not errors, errors
-    return out
+    return raw
+
+
+def _concurrently(calls: dict) -> dict:
+    """Run {key: (server, path, body)} at the same time; {key: answer}."""
+    raw = post_all(calls)
+    return {k: _answer(path, body, *raw[k]) for k, (_, path, body) in calls.items()}
 
 
 # ====================================================================== fixtures
@@ -400,17 +407,7 @@ def feature_answers(servers, engine_prompts):
         work[key] = (path, body)
         for name in ("nospec", "ddtree"):
             calls[(name, key)] = (servers[name], path, body)
-    raw = {}
-
-    def one(key, server, path, body):
-        raw[key] = server.post(path, body)
-
-    threads = [threading.Thread(target=one, args=(k, *v)) for k, v in calls.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(REQUEST_TIMEOUT_S + 30)
-    return work, raw
+    return work, post_all(calls)
 
 
 @pytest.mark.parametrize("key", list(FEATURES))

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
+import time
 
 import pytest
 
 import request_jobs as rq
-from test_serve import REQUEST_TIMEOUT_S, START_TIMEOUT_S, Server, _logprobs
+from test_serve import START_TIMEOUT_S, Server, _logprobs, post_all
 
 pytestmark = pytest.mark.engine
 
@@ -69,23 +69,12 @@ def answers(vllm_cpu_python, patched_env, make_tiny_models, record_engine_time,
                             work / "ddtree.log", spec,
                             {"VLLM_DDTREE_STATS_FILE": str(stats)}, args=WS)}
     try:
-        import time
-
         deadline = time.monotonic() + START_TIMEOUT_S
         for name, s in srv.items():
             s.wait_ready(deadline)
             record_engine_time(f"tools server {name}: start", s.startup_s, "(two at once)")
-        raw = {}
-
-        def one(key, server, path, body):
-            raw[key] = server.post(path, body)
-
-        threads = [threading.Thread(target=one, args=((name, key), srv[name], *req))
-                   for name in srv for key, req in REQUESTS.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(REQUEST_TIMEOUT_S + 30)
+        raw = post_all({(name, key): (srv[name], *req)
+                        for name in srv for key, req in REQUESTS.items()})
         yield {"raw": raw, "stats": json.loads(stats.read_text())}
     finally:
         for s in srv.values():

@@ -112,10 +112,8 @@ class DDTreeRuntime:
         new[idx] = torch.arange(len(keep), device=tok.device)
         kept_par = par[idx].to(torch.int64)
         kept_par = torch.where(kept_par >= 0, new[kept_par.clamp(min=0)], kept_par)
-        lost = (par[idx] >= 0) & (kept_par < 0)  # a parent not kept
-        late = kept_par >= torch.arange(len(keep), device=tok.device)  # after its child
-        if bool(lost.any()) or bool(late.any()):
-            return False
+        if bool(((par[idx] >= 0) & (kept_par < 0)).any()):
+            return False  # a node whose parent is not kept: not a tree
         self.trees[req_id] = (tok[idx], kept_par.to(par.dtype), dep[idx])
         return True
 
