@@ -8,7 +8,8 @@
 # in .gpu-b2); .whl: libcst and this project's wheel (the device has click, not libcst).
 # Stages: install (bundle + record_trim + the tool), apply (status, apply, verify),
 # tests (GPU tests of the GDN path), eq / eqg (equality_gdn eager / FULL graphs),
-# eqb (bf16 with the DFlash control), bench (GDN layer: tree vs chain), step (27B-shape
+# eqb (bf16 with the DFlash control), chisq (sampled walk, chisq_gdn.py), profile
+# (gdn_profile.py, PROFILE_CONFIGS), bench (GDN layer: tree vs chain), step (27B-shape
 # step, STEP_CONFIGS one process each), e2e (27B-shape step phases and end-to-end
 # tokens/s, step_bench.py; not run yet).  VERIFY=0: apply without `verify`.
 # Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows.
@@ -74,6 +75,16 @@ for s in ${STAGES:-install apply tests eq}; do
         timeout $(left ${T_STEP:-300}) python3 bench/gpu/gdn_step_bench.py "$OUT/step_$cfg" $cfg \
           --batches ${STEP_BATCHES:-1,2} --rounds ${STEP_ROUNDS:-3} > "$OUT/step_$cfg.txt" 2>&1
         grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/step_$cfg.txt" | tail -6
+      done ;;
+    chisq)  # the sampled walk's chi-square on the GPU path (V2 and V1, FULL graphs)
+      stamp chisq
+      timeout $(left ${T_CHISQ:-300}) python3 bench/gpu/chisq_gdn.py "$OUT/chisq" --rows ${CHISQ_ROWS:-v2,v1} \
+        > "$OUT/chisq.txt" 2>&1; echo "rc=$?"; grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/chisq.txt" | tail -12 ;;
+    profile)  # where a step's time goes: torch profiler, 27B shape, 1 request (PROFILE_CONFIGS)
+      for cfg in ${PROFILE_CONFIGS:-ddtree16 dflash}; do
+        stamp profile $cfg
+        timeout $(left ${T_PROFILE:-200}) python3 bench/gpu/gdn_profile.py "$OUT/profile" $cfg \
+          > "$OUT/profile_$cfg.log" 2>&1; echo "rc=$?"; head -c 1500 "$OUT/profile/profile_$cfg.txt"
       done ;;
     e2e)  # the 27B shape end to end (step_bench.py, BENCH_SHAPE=qwen36_27b): step phases,
       # then tokens/s with the calibrated synthetic drafter; alternating fresh processes,
