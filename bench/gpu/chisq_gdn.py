@@ -6,11 +6,13 @@ A tiny dense Qwen3.5 hybrid with a 24-token vocabulary (verify/tiny_hybrid.py, t
 CPU tier's sampled target), bf16, TRITON_ATTN, GDN prefill on Triton/FLA; T = 1, one
 prompt, n = SAMPLES samples of 3 tokens.  no-spec and DDTree (B = 8, trees at every
 step) each give a sample of the joint of the 3 tokens; a chi-square test of the pooled
-contingency table (outcomes seen >= 20 times in both, the rest pooled) must not reject
-at p = 0.001, the walk must have accepted drafts, some through non-first children
-(paths that commit a GDN state off the first child).  The p-value is torch's
-regularized incomplete gamma (no scipy on the device).  Writes OUTDIR/chisq_gdn.json,
-prints a table; exit 0 = every row passed.
+contingency tables (outcomes seen >= 20 times in both, the rest pooled) must not reject
+at p = 0.001: the joint of the 3 tokens (few well-filled cells at this vocabulary), each
+token's marginal (24 cells: the power) and the pair of tokens 1-2 (cells seen >= 10
+times); the walk must have accepted drafts, some through non-first children (paths
+that commit a GDN state off the first child).  The p-value is torch's regularized
+incomplete gamma (no scipy on the device).  Writes OUTDIR/chisq_gdn.json, prints a
+table; exit 0 = every row passed.  --reanalyze: the tests again on a saved json.
 """
 
 from __future__ import annotations
@@ -62,6 +64,20 @@ def chi2_p(table: list[list[int]]) -> tuple[float, float, int]:
     return stat, p, dof
 
 
+def tests(ref: list, got: list) -> dict:
+    """name -> (cells, statistic, dof, p) of the joint, the marginals and the pair."""
+    ref, got = [tuple(x) for x in ref], [tuple(x) for x in got]
+    tables = {"joint": pooled(ref, got), "pair12": pooled([x[:2] for x in ref],
+                                                          [x[:2] for x in got], least=10)}
+    for i in range(3):
+        tables[f"token{i + 1}"] = pooled([x[i] for x in ref], [x[i] for x in got])
+    out = {}
+    for k, t in tables.items():
+        stat, p, dof = chi2_p(t)
+        out[k] = (len(t), stat, dof, p)
+    return out
+
+
 def models(base: Path) -> dict:
     import tiny_hybrid as TH
 
@@ -105,13 +121,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="v2,v1")
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--reanalyze", action="store_true",
+                    help="no engines: the tests on OUTDIR/chisq_gdn.json")
     a = ap.parse_args(argv)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if a.reanalyze:
+        res = json.loads((out / "chisq_gdn.json").read_text())
+        return report(res, [r for r in a.rows.split(",") if r in res], out, a)
     m = models(Path("/tmp/chisq_gdn_models"))
     res: dict = {"config": {**vars(a), "small": SMALL, "prompt": PROMPT, "budget": BUDGET,
                             "depth": DEPTH}}
-    rows, ok = [], True
     for row in ["nospec"] + [r for r in a.rows.split(",") if r]:
         stats = out / f"stats_{row}.json"
         os.environ["VLLM_DDTREE_STATS_FILE"] = str(stats)
@@ -123,25 +143,30 @@ def main(argv=None) -> int:
         if stats.is_file() and row != "nospec":
             res[row]["walk"] = json.loads(stats.read_text())
         C.dump(str(out / "chisq_gdn.json"), res)
+    return report(res, [r for r in a.rows.split(",") if r], out, a)
+
+
+def report(res: dict, names: list, out: Path, a) -> int:
     ref = res["nospec"].get("joint")
-    for row in [r for r in a.rows.split(",") if r]:
+    rows, ok = [], True
+    for row in names:
         r = res[row]
         if ref is None or "joint" not in r:
             rows.append((row, "-", "-", "-", "-", "-", "FAIL (error)"))
             ok = False
             continue
-        table = pooled([tuple(x) for x in ref], [tuple(x) for x in r["joint"]])
-        stat, p, dof = chi2_p(table)
+        got = tests(ref, r["joint"])
         w = r.get("walk") or {}
-        good = (p > 0.001 and len(table) >= 5 and w.get("accepted", 0) > 0
-                and w.get("accepted_non_first_child", 0) > 0)
+        good = (all(t[3] > 0.001 for t in got.values()) and got["joint"][0] >= 5
+                and w.get("accepted", 0) > 0 and w.get("accepted_non_first_child", 0) > 0)
         ok &= good
-        r["chi2"] = {"table": table, "stat": stat, "p": p, "dof": dof}
-        rows.append((row, len(table), f"{stat:.1f}", dof, f"{p:.3g}",
-                     f"{w.get('accepted', '-')}/{w.get('accepted_non_first_child', '-')}",
-                     "PASS" if good else "FAIL"))
+        r["chi2"] = {k: dict(zip(("cells", "stat", "dof", "p"), t)) for k, t in got.items()}
+        for k, (cells, stat, dof, p) in got.items():
+            rows.append((f"{row} {k}", cells, f"{stat:.1f}", dof, f"{p:.3g}",
+                         f"{w.get('accepted', '-')}/{w.get('accepted_non_first_child', '-')}",
+                         "PASS" if good else "FAIL"))
     C.dump(str(out / "chisq_gdn.json"), res)
-    head = ("row", "cells", "chi2", "dof", "p", "accepted/non-first", "verdict")
+    head = ("row / test", "cells", "chi2", "dof", "p", "accepted/non-first", "verdict")
     widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     print("\n" + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
     for row in rows:

@@ -256,6 +256,8 @@ def test_sampled_ddtree_keeps_the_target_distribution(setup):
     assert len(table) >= 5, "too few distinct outcomes for a meaningful test"
     p = chi2_contingency(table)[1]
     assert p > 0.001, (p, table)
+    p_tok = rq.marginal_p(ref, got)  # each token's own 24 cells: the power
+    assert p_tok > 0.001, p_tok
     s = setup["stats"]["small_b8"]
     assert s["accepted"] > 0 and s["accepted_non_first_child"] > 0, s
 
