@@ -269,7 +269,10 @@ def test_cuda_graph_replay_sees_new_trees(prefix):
         g.replay()
         torch.cuda.synchronize()
         err = (out.double() - reference64(case)).abs().max().item()
-        assert err <= TOL[dtype], (seed, err)
+        # 2 x TOL, as split vs single above: the prefix's partial output is rounded to
+        # bf16 before the merge (two roundings; seed 6 measured 0.00804 on the H200); a
+        # stale tree or buffer gives errors of order 1
+        assert err <= 2 * TOL[dtype], (seed, err)
 
 
 def test_backend_entry_point_routes_to_split(monkeypatch):
