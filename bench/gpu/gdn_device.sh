@@ -9,7 +9,8 @@
 # Stages: install (bundle + record_trim + the tool), apply (status, apply, verify),
 # tests (GPU tests of the GDN path), eq / eqg (equality_gdn eager / FULL graphs),
 # eqb (bf16 with the DFlash control), chisq (sampled walk, chisq_gdn.py), profile
-# (gdn_profile.py, PROFILE_CONFIGS), bench (GDN layer: tree vs chain), step (27B-shape
+# (gdn_profile.py, PROFILE_CONFIGS), fp32 (issue 28's tiny dense fp32 rows, V1 + V2),
+# bench (GDN layer: tree vs chain), step (27B-shape
 # step, STEP_CONFIGS one process each), e2e (27B-shape step phases and end-to-end
 # tokens/s, step_bench.py; not run yet).  VERIFY=0: apply without `verify`.
 # Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows.
@@ -24,7 +25,10 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
        VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
-export PYTHONPATH=/tmp/vb/vllm_slim:/tmp/vb/site:/tmp/ddt
+# VB / PARTS: where the bundle unpacks / its parts wait (a second vLLM version beside the
+# first: VB=/tmp/vb32 PARTS=/tmp/vbparts32 B2=.gpu-b32b, call 1 copying .gpu-b32a there)
+VB=${VB:-/tmp/vb} PARTS=${PARTS:-/tmp/vbparts} B2=${B2:-.gpu-b2}
+export PYTHONPATH=$VB/vllm_slim:$VB/site:/tmp/ddt
 start=$(date +%s)
 stamp() { echo "=== $(($(date +%s) - start))s $*"; }
 # left T: a stage's timeout, at most what is left of LIMIT (default 580 s) minus 15 s
@@ -34,11 +38,11 @@ for s in ${STAGES:-install apply tests eq}; do
   case $s in
     install)
       stamp install
-      if [ ! -d /tmp/vb/vllm_slim ]; then
-        cp .gpu-b2/aa2 .gpu-b2/part_ab /tmp/vbparts/
-        cat /tmp/vbparts/aa1 /tmp/vbparts/aa2 > /tmp/vbparts/part_aa && rm /tmp/vbparts/aa1 /tmp/vbparts/aa2
-        SKIP_IMPORT_CHECK=1 bash /tmp/vbparts/install_remote.sh /tmp/vbparts /tmp/vb 2>&1 | tail -3
-        python3 .gpu-b2/record_trim.py /tmp/vb/vllm_slim
+      if [ ! -d "$VB/vllm_slim" ]; then
+        cp "$B2/aa2" "$B2/part_ab" "$PARTS/"
+        cat "$PARTS/aa1" "$PARTS/aa2" > "$PARTS/part_aa" && rm "$PARTS/aa1" "$PARTS/aa2"
+        SKIP_IMPORT_CHECK=1 bash "$PARTS/install_remote.sh" "$PARTS" "$VB" 2>&1 | tail -3
+        python3 "$B2/record_trim.py" "$VB/vllm_slim"
       fi
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ddt .whl/*.whl 2>&1 | tail -2
       $DDT --version 2>&1 | tail -1 ;;
@@ -86,6 +90,16 @@ for s in ${STAGES:-install apply tests eq}; do
         timeout $(left ${T_PROFILE:-200}) python3 bench/gpu/gdn_profile.py "$OUT/profile" $cfg \
           > "$OUT/profile_$cfg.log" 2>&1; echo "rc=$?"; head -c 1500 "$OUT/profile/profile_$cfg.txt"
       done ;;
+    fp32)  # issue 28: the tiny dense Qwen3 fp32 equality rows, V1 (equality.py, EQ_TAGS
+      # fp32_triton: graphs + eager) and V2 (equality_v2.py, FULL graphs, TRITON_ATTN)
+      stamp fp32 v1
+      VLLM_USE_V2_MODEL_RUNNER=0 EQ_TAGS=fp32_triton timeout $(left ${T_FP32:-240}) \
+        python3 bench/gpu/equality.py "$OUT/fp32_v1" > "$OUT/fp32_v1.txt" 2>&1; echo "rc=$?"
+      grep -E "SUMMARY|FAILED|Error" "$OUT/fp32_v1.txt" | cut -c1-600 | tail -8
+      stamp fp32 v2
+      VLLM_USE_V2_MODEL_RUNNER=1 timeout $(left ${T_FP32:-240}) python3 bench/gpu/equality_v2.py \
+        "$OUT/fp32_v2" --graphs --attn TRITON_ATTN --default-row > "$OUT/fp32_v2.txt" 2>&1; echo "rc=$?"
+      grep -E "PASS|FAIL|RESULT|Traceback|Error|DIFF" "$OUT/fp32_v2.txt" | cut -c1-300 | tail -12 ;;
     e2e)  # the 27B shape end to end (step_bench.py, BENCH_SHAPE=qwen36_27b): step phases,
       # then tokens/s with the calibrated synthetic drafter; alternating fresh processes,
       # E2E_ROUNDS round ids (spread rounds over calls), E2E_CONFIGS step_bench configs
