@@ -170,7 +170,7 @@ def engine(spec: dict, **llm_kw):
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   "cudagraph_capture_sizes": sizes})
     if GDN:  # as gdn_step_bench.py runs it (54 GB of weights; the bundle has no FlashInfer)
-        kw.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.8,
+        kw.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=float(os.environ.get("BENCH_GPU_UTIL", "0.8")),
                   enable_prefix_caching=False,
                   additional_config={"gdn_prefill_backend": "triton"})
     if spec["kind"] != "nospec":
