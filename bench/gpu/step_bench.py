@@ -75,6 +75,7 @@ L = 15
 # Triton GDN prefill, its [S,S,S,S,F] drafter) instead of the Qwen3-8B shape
 GDN = os.environ.get("BENCH_SHAPE", "qwen3_8b") == "qwen36_27b"
 BASE = "/tmp/gdn27b_models" if GDN else "/tmp/bench_models"
+GPU_UTIL = float(os.environ.get("BENCH_GPU_UTIL", "0.8"))  # the 27B shape (0.9 on 80 GB)
 V2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
 
 
@@ -170,7 +171,7 @@ def engine(spec: dict, **llm_kw):
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   "cudagraph_capture_sizes": sizes})
     if GDN:  # as gdn_step_bench.py runs it (54 GB of weights; the bundle has no FlashInfer)
-        kw.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=float(os.environ.get("BENCH_GPU_UTIL", "0.8")),
+        kw.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=GPU_UTIL,
                   enable_prefix_caching=False,
                   additional_config={"gdn_prefill_backend": "triton"})
     if spec["kind"] != "nospec":
