@@ -171,9 +171,9 @@ def _params(**kw):
 
 def test_request_features_by_runner():
     """V1 serves logprobs, penalties, bad words, logit bias, allowed tokens, min_tokens,
-    min_p and structured outputs per tree node; V2 (and an engine it cannot tell)
-    refuses them all, each by name; thinking budgets and logprob_token_ids stay
-    refused."""
+    min_p and structured outputs per tree node, V2 all of them but structured outputs;
+    an engine whose runner is unknown refuses them all, each by name; thinking budgets
+    and logprob_token_ids stay refused."""
     config = payload_module("config")
     v1, v2 = (SimpleNamespace(ddtree_config=build(v)) for v in (False, True))
     served = dict(logprobs=2, presence_penalty=0.5, repetition_penalty=1.2,
@@ -181,16 +181,21 @@ def test_request_features_by_runner():
                   min_tokens=3, min_p=0.1, structured_outputs=object())
     for key, value in served.items():
         config.validate_request(_params(**{key: value}), v1)
-        for spec_ in (v2, None):
-            with pytest.raises(ValueError, match="V2 model runner") as e:
-                config.validate_request(_params(**{key: value}), spec_)
-            assert key.split("_")[0] in str(e.value)
+        with pytest.raises(ValueError, match="this engine") as e:
+            config.validate_request(_params(**{key: value}), None)
+        assert key.split("_")[0] in str(e.value)
+        if key == "structured_outputs":
+            with pytest.raises(ValueError, match="structured outputs on vLLM's V2"):
+                config.validate_request(_params(**{key: value}), v2)
+        else:
+            config.validate_request(_params(**{key: value}), v2)
     for key, value in dict(thinking_token_budget=5, logprob_token_ids=[5]).items():
         for spec_ in (v1, v2):
             with pytest.raises(ValueError, match=key.replace("_", ".")):
                 config.validate_request(_params(**{key: value}), spec_)
     with pytest.raises(ValueError, match="logprobs=-1"):
         config.validate_request(_params(logprobs=-1), v1)
+    config.validate_request(_params(logprobs=-1), v2)  # V2: as its chain does
     config.validate_request(_params(), v2)  # plain sampling everywhere
 
 

@@ -221,6 +221,9 @@ def request_features(params) -> list[str]:
 V1_SERVED = ("logprobs", "presence/frequency/repetition penalties", "bad_words",
              "logit_bias", "allowed_token_ids", "min_tokens", "min_p",
              "structured outputs")
+# on the V2 runner by V2's own processors per tree node (v2/requests.py;
+# tests/engine/test_v2_requests.py); structured outputs not yet
+V2_SERVED = V1_SERVED[:-1]
 
 
 def _v1_served() -> tuple[str, ...]:
@@ -236,16 +239,18 @@ def _v1_served() -> tuple[str, ...]:
 def validate_request(params, spec=None) -> None:
     """Request features the tree sampler does not serve on this engine's runner are
     refused per request (instead of silently ignoring them, which would change the
-    output).  ``spec``: the engine's SpeculativeConfig (None: refuse as on V2)."""
-    v1 = spec is not None and not settings.of(spec).v2
-    served = _v1_served() if v1 else ()
+    output).  ``spec``: the engine's SpeculativeConfig (None: an engine whose runner
+    is unknown refuses them all)."""
+    runner = None if spec is None else "v2" if settings.of(spec).v2 else "v1"
+    served = {"v1": _v1_served, "v2": lambda: V2_SERVED}.get(runner, tuple)()
     bad = [f for f in request_features(params) if f not in served]
-    if v1 and params.logprobs is not None and params.logprobs < 0:
+    if runner == "v1" and params.logprobs is not None and params.logprobs < 0:
         bad.append("logprobs=-1 (the whole vocabulary)")
     if bad:
-        runner = "the V1 runner" if v1 else "vLLM's V2 model runner"
+        where = {"v1": "the V1 runner", "v2": "vLLM's V2 model runner"}.get(
+            runner, "this engine")
         raise DDTreeRequestError("speculative method 'ddtree' does not support "
-                                 + ", ".join(bad) + f" on {runner} yet; drop them or "
+                                 + ", ".join(bad) + f" on {where} yet; drop them or "
                                  "serve without DDTree")
 
 
@@ -279,8 +284,7 @@ def ddtree_vllm_config(vllm_config) -> None:
         sched.async_scheduling = False
     refuse_parallelism(vllm_config.parallel_config)
     refuse_recurrent_target(vllm_config)
-    if not _uses_v2(vllm_config):  # V2 refuses logprobs per request
-        refuse_processed_logprobs(vllm_config.model_config)
+    refuse_processed_logprobs(vllm_config.model_config)
     spec = getattr(vllm_config, "speculative_config", None)
     default_batch_policy(vllm_config, spec)
     if settings.enabled(spec):

@@ -5,7 +5,10 @@ sampled ones walk it losslessly (core.walk_sampled: one uniform per visited node
 the request's seed and the node's position, v2_step.uniforms).  Output: the accepted
 path + bonus token, left-packed, -1 padded; num_sampled = accepted + 1 and num_rejected
 = drafts - accepted (V2's own get_num_sampled_and_rejected, which also zeroes chunked
-prefills), so post_update and DFlash's "valid prefix" stay right.
+prefills), so post_update and DFlash's "valid prefix" stay right.  Requests with
+penalties, bad words, logit bias, allowed tokens, min_tokens or min_p get each row
+processed after its own path by V2's own processors, and logprobs come from the rows
+that emitted the tokens (requests.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
+from . import requests as v2_requests
 from . import step as v2_step
 from ..core import target_probs, walk_greedy, walk_sampled
 
@@ -42,14 +46,19 @@ class DDTreeV2Sampler:
         num_nans = get_num_nans(logits) if self.sampler.compute_nans else None
         rows = v2_step.verify_rows(input_batch.cu_num_logits, n, rt.budget)
         slots_np = input_batch.idx_mapping_np
+        processed = v2_requests.process(self.sampler, logits, input_batch, step.tree)
+        target = logits if processed is None else processed
         if np.all(st.temperature.np[slots_np] == 0.0):
-            walk = walk_greedy(logits.argmax(-1)[rows], step.tree)
+            walk = walk_greedy(target.argmax(-1)[rows], step.tree)
         else:
             slots = input_batch.idx_mapping
             top_k = st.top_k.gpu[slots] if np.any(st.top_k.np[slots_np] != st.vocab_size) \
                 else None
             top_p = st.top_p.gpu[slots] if np.any(st.top_p.np[slots_np] != 1.0) else None
-            probs = target_probs(logits[rows], st.temperature.gpu[slots], top_k, top_p)
+            # processed rows carry V2's temperature and min_p already
+            temp = st.temperature.gpu[slots] if processed is None else \
+                v2_requests.greedy_flags(self.sampler, input_batch)
+            probs = target_probs(target[rows], temp, top_k, top_p)
             first = input_batch.logits_indices[input_batch.cu_num_logits[:n].long()]
             u = v2_step.uniforms(st.seeds.gpu[slots], input_batch.positions[first],
                                  rt.depth + 1, rt.fused)
@@ -59,6 +68,8 @@ class DDTreeV2Sampler:
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             num_sampled, input_batch.seq_lens, input_batch.cu_num_logits,
             input_batch.idx_mapping, self.sampler.req_states.prefill_len.gpu)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None,
+        logprobs = v2_requests.emitted_logprobs(self.sampler, logits, input_batch, rows,
+                                                walk, sampled, num_sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled,
                              num_rejected=num_rejected)
