@@ -66,7 +66,7 @@ import common as C  # noqa: E402  (sets the offline / in-process defaults)
 
 N_PROMPTS, MAX_TOKENS = 8, 48
 ROWS = ("nospec_again", "ddtree", "ddtree_swa", "ddtree_eager", "ddtree_sync", "ddtree_per_batch",
-        "ddtree_chain", "ddtree_default", "ddtree_arms", "dflash")
+        "ddtree_chain", "ddtree_default", "ddtree_arms", "ddtree_features", "dflash")
 SWA_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
 
@@ -173,18 +173,56 @@ def count_tree_calls():
     return box, lambda: setattr(ca, "tree_attention", orig)
 
 
-def generate(llm, toks, logprobs: bool):
+def generate(llm, toks, logprobs: bool, params=None):
+    """Greedy; ``params``: a SamplingParams per prompt (the features row: logprobs of
+    every emitted token kept, to compare)."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                        detokenize=False, logprobs=2 if logprobs else None)
+    sp = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                  detokenize=False, logprobs=2 if logprobs else None)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in toks], sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     res = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": dt}
-    if logprobs:
+    if logprobs or params:
         res["gaps"] = [[_gap(step) for step in (o.outputs[0].logprobs or [])] for o in outs]
+    if params:
+        res["logprobs"] = [[{str(t): lp.logprob for t, lp in step.items()}
+                            for step in (o.outputs[0].logprobs or [])] for o in outs]
     return res
+
+
+def feature_params(vocab: int) -> list:
+    """One request type per prompt (#32): penalties, logprobs, logit bias, allowed
+    tokens, min_tokens; greedy, logprobs of every emitted token (bad words need a
+    tokenizer: the CPU tier tests them, tests/engine/test_v2_requests.py)."""
+    from vllm import SamplingParams
+
+    def sp(**kw):
+        kw.setdefault("logprobs", 2)
+        return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                              detokenize=False, **kw)
+
+    return [sp(presence_penalty=0.6, frequency_penalty=0.3), sp(repetition_penalty=1.4),
+            sp(logprobs=5), sp(logit_bias={7: 4.0, 11: -3.0}),
+            sp(allowed_token_ids=list(range(2, vocab // 2))),
+            sp(min_tokens=MAX_TOKENS - 8, stop_token_ids=[3, 5]),
+            sp(presence_penalty=0.4, logit_bias={9: 2.0}, repetition_penalty=1.2),
+            sp(frequency_penalty=0.8, min_tokens=10, stop_token_ids=[4])]
+
+
+def logprob_gap(ref: dict, got: dict) -> float:
+    """Largest |logprob difference| over the tokens both runs report at the steps both
+    emitted the same token (the features row; fp32 criterion 1e-4)."""
+    worst = 0.0
+    for rt, gt, rl, gl in zip(ref["tokens"], got["tokens"], ref.get("logprobs", []),
+                              got.get("logprobs", [])):
+        for k, (a, b) in enumerate(zip(rt, gt)):
+            if a != b:
+                break
+            for t in set(rl[k]) & set(gl[k]):
+                worst = max(worst, abs(rl[k][t] - gl[k][t]))
+    return worst
 
 
 COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts",
@@ -213,7 +251,7 @@ def _gap(step) -> float:
     return float(vals[0] - vals[1]) if len(vals) > 1 else float("inf")
 
 
-def run(name, res, out, a, m, toks, mode, eager, **kw):
+def run(name, res, out, a, m, toks, mode, eager, params=None, **kw):
     C.log("run", name)
     stats = str(out / f"stats_{name}.json")
     if mode == "ddtree":
@@ -226,7 +264,7 @@ def run(name, res, out, a, m, toks, mode, eager, **kw):
         r = {"startup_s": time.perf_counter() - t0, "built": built(llm)}
         box, undo = (count_tree_calls() if mode == "ddtree" else ({"n": None}, lambda: 0))
         try:
-            r.update(generate(llm, toks, logprobs=mode == "nospec"))
+            r.update(generate(llm, toks, logprobs=mode == "nospec", params=params))
         finally:
             undo()
         r["eager_tree_attention_calls"] = box["n"]
@@ -341,6 +379,9 @@ def main(argv=None) -> int:
                     help="also DDTree's default budget per batch size on V2")
     ap.add_argument("--arms-row", action="store_true",
                     help="also the tree-vs-chain controller at every batch size")
+    ap.add_argument("--features-row", action="store_true",
+                    help="also request features per prompt (#32: penalties, logprobs, "
+                         "logit bias, allowed tokens, min_tokens) against no-spec")
     ap.add_argument("--ref-twice", action="store_true",
                     help="run the no-spec reference twice: a row of its own says whether "
                          "the reference itself repeats (run 11 e: it did not at a 0.002 gap)")
@@ -390,6 +431,18 @@ def main(argv=None) -> int:
         run("ddtree_arms", res, out, a, m, toks, "ddtree", not a.graphs,
             drafter=m["drafter"], profile=profile, arms=True,
             chain=min(a.depth, a.budget - 1))
+    if a.features_row:  # its own reference: no-spec with the same request features
+        fp = feature_params(m["mask"] + 1)  # the mask token is the last of the vocab
+        run("nospec_features", res, out, a, m, toks, "nospec", not a.graphs, params=fp)
+        fref = res["nospec_features"]
+        fprofile = ""
+        if "tokens" in fref:
+            fprofile = str(out / "profile_features.json")
+            Path(fprofile).write_text(json.dumps({
+                "sequences": [p + o for p, o in zip(toks, fref["tokens"])],
+                "rank_probs": [0.5, 0.25, 0.1], "seed": 0, "peak": 3.0}))
+        run("ddtree_features", res, out, a, m, toks, "ddtree", not a.graphs,
+            drafter=m["drafter"], profile=fprofile, params=fp)
     if a.dtype != "float32":
         run("dflash", res, out, a, m, toks, "dflash", not a.graphs, drafter=m["drafter"])
 
@@ -398,7 +451,8 @@ def main(argv=None) -> int:
         if name not in res:
             continue
         r = res[name]
-        base = res["ddtree"] if name == "ddtree_eager" else ref
+        base = res["ddtree"] if name == "ddtree_eager" else \
+            res.get("nospec_features", {}) if name == "ddtree_features" else ref
         if "tokens" not in r or "tokens" not in base:
             rep, bad = None, ["error: " + (r.get("error") or base.get("error", "?"))
                               .strip().splitlines()[-1][:200]]
@@ -408,6 +462,10 @@ def main(argv=None) -> int:
             rep = compare(base, r, tie)
             bad = checks(name, r, a) + [f"{len(rep['diffs'])} prompts differ"] * bool(
                 rep["diffs"])
+            if name == "ddtree_features":
+                r["logprob_max_diff"] = gap = logprob_gap(base, r)
+                if gap > (1e-4 if a.dtype == "float32" else 0.05):
+                    bad.append(f"logprobs differ by up to {gap:.2e}")
         r["compare"], r["problems"] = rep, bad
         ok_all &= not bad or name == "dflash"  # the control informs, it cannot fail
         w = r.get("walk") or {}

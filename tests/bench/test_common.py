@@ -110,6 +110,18 @@ def test_equality_v2_reference_rows_expect_no_drafter():
     assert not [p for p in eq.checks("ddtree", row, a) if "graphs" in p]
 
 
+def test_equality_v2_logprob_gap_reads_only_equal_prefixes():
+    """The features row's logprob check: the largest difference over the tokens both
+    runs report, at the steps before the first differing token only."""
+    eq = load_bench("equality_v2")
+    ref = {"tokens": [[5, 6, 7]], "logprobs": [[{"5": -0.1, "9": -2.0}, {"6": -0.5},
+                                                 {"7": -0.2}]]}
+    got = {"tokens": [[5, 6, 8]], "logprobs": [[{"5": -0.1, "9": -2.00003}, {"6": -0.6},
+                                                 {"8": -9.0}]]}
+    assert abs(eq.logprob_gap(ref, got) - 0.1) < 1e-9  # step 1; step 2 differs: ignored
+    assert eq.logprob_gap(ref, ref) == 0.0
+
+
 def test_synthetic_v2_keeps_what_each_step_drafts(monkeypatch):
     """step_bench.use_synthetic_v2 (DDTree): a tree step keeps the synthetic top-K, a
     chain (a chain batch size, or the chain arm at a tree batch size: want <= C) keeps
