@@ -91,14 +91,15 @@ for s in ${STAGES:-install apply tests eq}; do
           > "$OUT/profile_$cfg.log" 2>&1; echo "rc=$?"; head -c 1500 "$OUT/profile/profile_$cfg.txt"
       done ;;
     fp32)  # issue 28: the tiny dense Qwen3 fp32 equality rows, V1 (equality.py, EQ_TAGS
-      # fp32_triton: graphs + eager) and V2 (equality_v2.py, FULL graphs, TRITON_ATTN)
+      # fp32_triton: graphs + eager) and V2 (equality_v2.py, FULL graphs, TRITON_ATTN, the
+      # default schedule and issue 32's request features)
       stamp fp32 v1
       VLLM_USE_V2_MODEL_RUNNER=0 EQ_TAGS=fp32_triton timeout $(left ${T_FP32:-240}) \
         python3 bench/gpu/equality.py "$OUT/fp32_v1" > "$OUT/fp32_v1.txt" 2>&1; echo "rc=$?"
       grep -E "SUMMARY|FAILED|Error" "$OUT/fp32_v1.txt" | cut -c1-600 | tail -8
       stamp fp32 v2
       VLLM_USE_V2_MODEL_RUNNER=1 timeout $(left ${T_FP32:-240}) python3 bench/gpu/equality_v2.py \
-        "$OUT/fp32_v2" --graphs --attn TRITON_ATTN --default-row > "$OUT/fp32_v2.txt" 2>&1; echo "rc=$?"
+        "$OUT/fp32_v2" --graphs --attn TRITON_ATTN --default-row --features-row > "$OUT/fp32_v2.txt" 2>&1; echo "rc=$?"
       grep -E "PASS|FAIL|RESULT|Traceback|Error|DIFF" "$OUT/fp32_v2.txt" | cut -c1-300 | tail -12 ;;
     e2e)  # the 27B shape end to end (step_bench.py, BENCH_SHAPE=qwen36_27b): step phases,
       # then tokens/s with the calibrated synthetic drafter; alternating fresh processes,
