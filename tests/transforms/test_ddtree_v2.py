@@ -434,3 +434,22 @@ def test_tree_sampler_has_what_the_runner_reads_of_its_rejection_sampler(pristin
             if isinstance(t, ast.Name)} | \
         {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
     assert read and read <= have, read - have
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_processed_logprobs_are_refused_on_both_runners(config_module, monkeypatch, v2):
+    """DDTree returns raw logprobs (the emitting rows' raw logits) on both runners: a
+    processed logprobs_mode is refused when the config is built, raw ones pass."""
+    envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
+    sys.modules["vllm"].envs = envs
+    monkeypatch.delenv("VLLM_DDTREE_ASYNC", raising=False)
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=None),
+                          parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+                          model_config=SimpleNamespace(logprobs_mode="processed_logprobs",
+                                                       is_hybrid=False, is_attention_free=False),
+                          use_v2_model_runner=v2)
+    with pytest.raises(ValueError, match="returns raw logprobs"):
+        config_module.ddtree_vllm_config(cfg)
+    for mode in ("raw_logprobs", "raw_logits"):
+        cfg.model_config.logprobs_mode = mode
+        config_module.ddtree_vllm_config(cfg)
