@@ -10,6 +10,7 @@
 # tests (GPU tests of the GDN path), eq / eqg (equality_gdn eager / FULL graphs),
 # eqb (bf16 with the DFlash control), chisq (sampled walk, chisq_gdn.py), profile
 # (gdn_profile.py, PROFILE_CONFIGS), fp32 (issue 28's tiny dense fp32 rows, V1 + V2),
+# fp32ieee (the V2 rows with Triton's fp32 dots in IEEE),
 # bench (GDN layer: tree vs chain), step (27B-shape
 # step, STEP_CONFIGS one process each), e2e (27B-shape step phases and end-to-end
 # tokens/s, step_bench.py; not run yet).  VERIFY=0: apply without `verify`.
@@ -101,6 +102,13 @@ for s in ${STAGES:-install apply tests eq}; do
       VLLM_USE_V2_MODEL_RUNNER=1 timeout $(left ${T_FP32:-240}) python3 bench/gpu/equality_v2.py \
         "$OUT/fp32_v2" --graphs --attn TRITON_ATTN --default-row --features-row > "$OUT/fp32_v2.txt" 2>&1; echo "rc=$?"
       grep -E "PASS|FAIL|RESULT|Traceback|Error|DIFF" "$OUT/fp32_v2.txt" | cut -c1-300 | tail -12 ;;
+    fp32ieee)  # the V2 fp32 rows with Triton's fp32 dots in IEEE everywhere (vLLM's Triton
+      # attention runs them as TF32 by default: the reference's own rounding; run 17)
+      stamp fp32 ieee
+      TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee VLLM_USE_V2_MODEL_RUNNER=1 \
+        timeout $(left ${T_FP32:-300}) python3 bench/gpu/equality_v2.py "$OUT/fp32_v2_ieee" \
+        --graphs --attn TRITON_ATTN --features-row > "$OUT/fp32_v2_ieee.txt" 2>&1; echo "rc=$?"
+      grep -E "PASS|FAIL|RESULT|Traceback|Error|DIFF" "$OUT/fp32_v2_ieee.txt" | cut -c1-300 | tail -12 ;;
     e2e)  # the 27B shape end to end (step_bench.py, BENCH_SHAPE=qwen36_27b): step phases,
       # then tokens/s with the calibrated synthetic drafter; alternating fresh processes,
       # E2E_ROUNDS round ids (spread rounds over calls), E2E_CONFIGS step_bench configs
