@@ -105,3 +105,64 @@ def test_with_trees_wraps_structured_requests_only():
     out = rt.with_trees(["s", "p", "x"], [TOKENS[:5], TOKENS[:5], [9, 9]])
     assert out[0].parents == PARENTS[:5] and out[0] == TOKENS[:5]
     assert not hasattr(out[1], "parents") and not hasattr(out[2], "parents")
+
+
+def test_prune_row_cuts_a_built_tree_in_place():
+    """core.prune_row (the CUDA V1 runtime's prune): every field of the kept nodes'
+    row matches the tree a build would give for them: tokens, re-indexed parents,
+    depths, scores, offsets, the ancestor mask (pads: root + self), num_nodes; the
+    other requests' rows are untouched; a set that is not a tree changes nothing."""
+    core = payload_module("core")
+    torch.manual_seed(3)
+    draft = torch.randn(2, 4, 12) * 2
+    tree = core.build_tree(draft, 8, 8)
+    before = {k: getattr(tree, k).clone() for k in
+              ("tokens", "parents", "depths", "scores", "ancestor_mask", "position_offsets",
+               "num_nodes")}
+    par = tree.parents[0].tolist()
+    drop = next(j for j in range(8) if par[j] >= 0)  # a node with a parent node
+    kill = {drop} | {j for j in range(8) if par[j] == drop}
+    for j in range(8):  # and its subtree
+        if par[j] in kill:
+            kill.add(j)
+    keep = [j for j in range(8) if j not in kill]
+    assert core.prune_row(tree, 0, keep)
+    k = len(keep)
+    assert int(tree.num_nodes[0]) == k
+    assert tree.tokens[0, :k].tolist() == before["tokens"][0, keep].tolist()
+    assert tree.depths[0, :k].tolist() == before["depths"][0, keep].tolist()
+    assert torch.equal(tree.scores[0, :k], before["scores"][0, keep])
+    for new, old in enumerate(keep):  # every kept node keeps its path
+        assert _path(tree.tokens[0].tolist(), tree.parents[0].tolist(), new) == \
+            _path(before["tokens"][0].tolist(), par, old)
+    rows = [0] + [1 + j for j in keep]
+    assert torch.equal(tree.ancestor_mask[0, : k + 1, : k + 1],
+                       before["ancestor_mask"][0][rows][:, rows])
+    pad = tree.ancestor_mask[0, k + 1:]
+    assert pad[:, 0].all() and int(pad.sum()) == 2 * (8 - k)  # root + self
+    assert tree.position_offsets[0, 1: k + 1].tolist() == tree.depths[0, :k].tolist()
+    assert tree.tokens[0, k:].eq(0).all() and tree.parents[0, k:].eq(-1).all()
+    assert tree.scores[0, k:].eq(float("-inf")).all()
+    for name, old in before.items():  # request 1: untouched
+        assert torch.equal(getattr(tree, name)[1], old[1]), name
+    snap = tree.tokens.clone()
+    child = next(j for j in range(k) if tree.parents[0, j] >= 0)
+    assert not core.prune_row(tree, 0, [child])  # its parent is gone: not a tree
+    assert torch.equal(tree.tokens, snap)
+
+
+def test_cuda_runtime_prunes_the_proposers_tree():
+    """The CUDA V1 runtime prunes the row of its proposer's last tree (was: the prefix
+    only); tree_of then reads the pruned tree; an unknown request is not pruned."""
+    core = payload_module("core")
+    cuda = payload_module("v1.cuda")
+    rt = cuda.CudaDDTreeRuntime.__new__(cuda.CudaDDTreeRuntime)
+    rt._latest = None
+    assert not rt.prune("r", [0])
+    tree = core.build_tree(torch.randn(1, 3, 10) * 2, 5, 5)
+    rt._latest = ({"r": 0}, tree)
+    keep = [0, 1]
+    want = tree.tokens[0, keep].tolist()
+    assert rt.prune("r", keep)
+    assert rt.tree_of("r")[0][:2].tolist() == want
+    assert not rt.prune("other", [0])

@@ -52,6 +52,9 @@ compact_kv(kv_caches, block_table, block_size, start_positions [N], accepted_row
     [2, blocks, bs, H, D], 'heads_packed' [blocks, H, bs, 2D] (vLLM 0.32.0).
 compaction_slots / compact_kv_slots: the same through slot ids.
 
+prune_row(tree, i, keep) / reindex_parents(parents, keep): a tree cut to a subset of
+    its nodes (a grammar's pruning), in place / the kept nodes' parents re-indexed.
+
 gdn_tree: Gated DeltaNet layers on a tree (verify from the committed state, tree
     short convolution, commit along the accepted path); see its docstring.
 
@@ -62,6 +65,7 @@ backend: 'auto' (Triton on CUDA tensors when importable, else torch), 'torch',
 from ._triton import HAS_TRITON
 from . import gdn_tree
 from .kv_compact import LAYOUTS, compact_kv, compact_kv_slots, compaction_slots, token_view
+from .prune import prune_row, reindex_parents
 from .sampling import apply_top_k_top_p, target_probs
 from .tree_build import (
     DDTree,
@@ -85,5 +89,6 @@ __all__ = [
     "chain_depths",
     "quantize_logprobs", "WalkResult",
     "walk_greedy", "walk_sampled", "masses", "target_probs", "apply_top_k_top_p", "compact_kv",
-    "compact_kv_slots", "compaction_slots", "token_view", "LAYOUTS",
+    "compact_kv_slots", "compaction_slots", "token_view", "LAYOUTS", "prune_row",
+    "reindex_parents",
 ]

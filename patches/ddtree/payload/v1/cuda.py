@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..core import step as step_kernels
-from ..core import DDTree, compact_kv
+from ..core import DDTree, compact_kv, prune_row
 from ..attention.triton_tree import TreeState
 from .runtime import DDTreeRuntime
 
@@ -117,9 +117,14 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         return None if i is None else (tree.tokens[i], tree.parents[i])
 
     def prune(self, req_id: str, keep: list[int]) -> bool:
-        """Not on CUDA yet (the stored tree is the batch's device tree): the grammar
-        keeps the longest allowed prefix of the pop order instead."""
-        return False
+        """Cut the request's row of the proposer's device tree (the one the next verify
+        runs) to nodes ``keep``, re-indexed (core.prune_row); v1/grammar.py drops the
+        drafts a grammar forbids.  False: not done (no tree of it here, or not a tree)."""
+        if self._latest is None:
+            return False
+        index_of, tree = self._latest
+        i = index_of.get(req_id)
+        return i is not None and prune_row(tree, i, keep)
 
     # ---------------------------------------------------------------- runner hooks
     def prepare(self, scheduler_output, total_tokens: int) -> None:

@@ -11,8 +11,9 @@ path:
   validate  keeps the nodes the grammar accepts after their own paths (a node whose
             parent is dropped is dropped too) and has the runtime re-index its stored
             tree to them (``prune``), so the nodes after a forbidden one in pop order
-            are still verified; a runtime that cannot (CUDA V1 so far) keeps the
-            longest allowed prefix of the pop order.  Counted: grammar_cut,
+            are still verified (the CPU runtime's stored tree, the CUDA runtime's
+            device tree: core.prune_row); where that cannot be done the longest
+            allowed prefix of the pop order is kept.  Counted: grammar_cut,
             grammar_kept, grammar_pruned (trees pruned past their first cut).
   bitmask   lets vLLM fill each request's root row (the drafts passed as padding: it
             neither advances the grammar nor logs), then fills the node rows depth

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import settings
-from ..core import DDTree, ancestor_mask, chain_depths, chain_parents
+from ..core import DDTree, ancestor_mask, chain_depths, chain_parents, reindex_parents
 from ..gdn.cpu import gdn_commit
 from ..stats import Stats
 
@@ -107,13 +107,10 @@ class DDTreeRuntime:
         if stored is None:
             return False
         tok, par, dep = stored
-        idx = torch.tensor(keep, dtype=torch.int64, device=tok.device)
-        new = torch.full((tok.shape[0],), -1, dtype=torch.int64, device=tok.device)
-        new[idx] = torch.arange(len(keep), device=tok.device)
-        kept_par = par[idx].to(torch.int64)
-        kept_par = torch.where(kept_par >= 0, new[kept_par.clamp(min=0)], kept_par)
-        if bool(((par[idx] >= 0) & (kept_par < 0)).any()):
+        kept_par = reindex_parents(par, keep)
+        if kept_par is None:
             return False  # a node whose parent is not kept: not a tree
+        idx = torch.tensor(keep, dtype=torch.int64, device=tok.device)
         self.trees[req_id] = (tok[idx], kept_par.to(par.dtype), dep[idx])
         return True
 
