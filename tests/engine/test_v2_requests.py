@@ -73,6 +73,7 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
     from vllm.v1.worker.gpu.sample.sampler import Sampler
+    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
     from vllm.v1.worker.gpu.states import RequestState
 
     assert imp.HAS_TRITON, "vLLM still sees no Triton"
@@ -82,6 +83,7 @@ def main() -> None:
     v2rq = importlib.import_module(f"{pkg}.v2.requests")
     v2s = importlib.import_module(f"{pkg}.v2.sampler")
     core = importlib.import_module(f"{pkg}.core")
+    assert v2rq.NO_LOGPROBS == NO_LOGPROBS  # the payload's copy of V2's constant
     torch.manual_seed(0)
     cpu = torch.device("cpu")
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+NO_LOGPROBS = -1  # vllm/v1/worker/gpu/sample/states.py: no request asked for logprobs
+
 
 def path_dependent(sampler, slots_np) -> bool:
     """Does a request in ``slots_np`` use a processor that reads its draft history
@@ -104,12 +106,11 @@ def greedy_flags(sampler, batch) -> torch.Tensor:
 def emitted_logprobs(sampler, logits, batch, rows, walk, sampled, num_sampled):
     """V2's LogprobsTensors of the emitted tokens (None: no request asked): entry j of
     request i at logits row cu[i] + j, from the verify row that emitted token j."""
-    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
-    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
-
     k = sampler.sampling_states.max_num_logprobs(batch.idx_mapping_np)
     if k == NO_LOGPROBS:
         return None
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
     n = batch.num_reqs
     cu = batch.cu_num_logits[: n + 1].long()
     w = rows.shape[1]
