@@ -19,8 +19,10 @@
 # the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
 # give the first engine stage that time (run 14's eq and step calls timed out on it).
 # A session's plan (30 min): b1; install apply tests (verify on); eqg eq; step bench.
-# Run 15 did that; next: b1; install apply (VERIFY=0); eq with EQ_ROWS=ddtree_v1 (the V1
-# fix); python3 bench/gpu/gdn_profile.py (ddtree16, dflash); e2e over several calls.
+# Run 17 (an H100) ran fp32 and e2e round 1.  Next, on the H200: b1; install apply
+# fp32ieee (VERIFY=0); profile (ddtreechain vs dflash: run 17 found DDTree's chain step
+# 2.9 ms slower in the verify forward alone); e2e rounds 1-3 (E2E_ROUNDS, spread over
+# calls); then 0.32.0 (.gpu-b32a / .gpu-b32b, VB=/tmp/vb32: install apply with verify).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -86,7 +88,7 @@ for s in ${STAGES:-install apply tests eq}; do
       timeout $(left ${T_CHISQ:-300}) python3 bench/gpu/chisq_gdn.py "$OUT/chisq" --rows ${CHISQ_ROWS:-v2,v1} \
         > "$OUT/chisq.txt" 2>&1; echo "rc=$?"; grep -vE "^(INFO|WARNING|DEBUG)|it/s\]" "$OUT/chisq.txt" | tail -12 ;;
     profile)  # where a step's time goes: torch profiler, 27B shape, 1 request (PROFILE_CONFIGS)
-      for cfg in ${PROFILE_CONFIGS:-ddtree16 dflash}; do
+      for cfg in ${PROFILE_CONFIGS:-ddtreechain dflash ddtree16}; do
         stamp profile $cfg
         timeout $(left ${T_PROFILE:-200}) python3 bench/gpu/gdn_profile.py "$OUT/profile" $cfg \
           > "$OUT/profile_$cfg.log" 2>&1; echo "rc=$?"; head -c 1500 "$OUT/profile/profile_$cfg.txt"

@@ -1,6 +1,6 @@
 """Where a DDTree step's time goes on the Qwen3.6-27B shape (torch profiler, V2, FULL
-graphs): python3 bench/gpu/gdn_profile.py OUT_DIR [ddtree16|dflash] -> the top ops
-by CUDA and by CPU time over 16 decode steps at one request (profile_CFG.txt), every
+graphs): python3 bench/gpu/gdn_profile.py OUT_DIR [ddtree16|ddtreechain|dflash] -> the
+top ops by CUDA and by CPU time over 16 decode steps at one request (profile_CFG.txt), every
 kernel's count and device time (kernels_CFG.json: diff two configs with it) and the
 timeline (trace_CFG.json.gz: host gaps)."""
 import gzip, json, os, shutil, sys

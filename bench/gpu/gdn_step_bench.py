@@ -10,7 +10,8 @@ window 2048, block 16, target layers [1, 16, 31, 46, 61]) with random weights, s
 acceptance is ~0 and every step verifies its full budget: a step's cost, not its gain.
 
     python3 bench/gpu/gdn_step_bench.py OUT_DIR [CONFIG ...] [--batches 1,2,4]
-    CONFIG: nospec | dflash (chain k = 15) | ddtree<B> (a tree of B at every batch size)
+    CONFIG: nospec | dflash (chain k = 15) | ddtree<B> (a tree of B at every batch size) |
+            ddtreechain (DDTree's chain step: 15 drafts at every batch size)
 
 Per config and batch N (one engine per config, N random 512-token prompts): the step
 time = (wall of max_tokens = 1 + S) - (wall of max_tokens = 1), over S steps, median of
@@ -84,7 +85,9 @@ def parse(cfg: str) -> dict:
     if cfg.startswith("ddtree") and cfg[6:].isdigit():
         b = int(cfg[6:])
         return {"kind": "ddtree", "b": b, "q": 1 + b}
-    raise SystemExit(f"unknown config {cfg!r}: nospec | dflash | ddtree<B>")
+    if cfg == "ddtreechain":  # DDTree's chain step: L drafts, ddtree_chain_budget = L
+        return {"kind": "ddtree", "b": L + 1, "q": 1 + L, "chain": L}
+    raise SystemExit(f"unknown config {cfg!r}: nospec | dflash | ddtree<B> | ddtreechain")
 
 
 def engine(spec: dict, batches: list[int]):
@@ -110,7 +113,9 @@ def engine(spec: dict, batches: list[int]):
             sc.update(method="dflash", num_speculative_tokens=L)
         else:
             sc.update(method="ddtree", num_speculative_tokens=spec["b"], ddtree_depth=L,
-                      ddtree_chain_budget=0)
+                      ddtree_chain_budget=spec.get("chain", 0))
+            if spec.get("chain"):  # every batch size verifies a chain of L
+                sc["num_speculative_tokens_per_batch_size"] = [[1, 1024, spec["chain"]]]
         kw["speculative_config"] = sc
     return LLM(**kw)
 

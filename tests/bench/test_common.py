@@ -122,6 +122,21 @@ def test_equality_v2_logprob_gap_reads_only_equal_prefixes():
     assert eq.logprob_gap(ref, ref) == 0.0
 
 
+def test_gdn_step_bench_configs():
+    """gdn_step_bench / gdn_profile configs: ddtreechain is DDTree's chain step (a chain
+    of L at every batch size: the budget pinned to L = ddtree_chain_budget)."""
+    g = load_bench("gdn_step_bench")
+    assert g.parse("dflash") == {"kind": "dflash", "q": 1 + g.L}
+    assert g.parse("ddtree16") == {"kind": "ddtree", "b": 16, "q": 17}
+    c = g.parse("ddtreechain")
+    assert c["kind"] == "ddtree" and c["chain"] == g.L and c["q"] == 1 + g.L > 1
+    assert c["b"] > c["chain"]  # a tree budget above the chain's: the chain is a choice
+    import pytest
+
+    with pytest.raises(SystemExit):
+        g.parse("ddtreex")
+
+
 def test_synthetic_v2_keeps_what_each_step_drafts(monkeypatch):
     """step_bench.use_synthetic_v2 (DDTree): a tree step keeps the synthetic top-K, a
     chain (a chain batch size, or the chain arm at a tree batch size: want <= C) keeps
