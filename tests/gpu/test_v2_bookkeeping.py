@@ -128,7 +128,8 @@ def make_runner(dev, core, v2_step, temperature=0.0):
                          top_k=SimpleNamespace(np=np.full(4, V), gpu=None),
                          top_p=SimpleNamespace(np=np.ones(4), gpu=None),
                          seeds=SimpleNamespace(gpu=seeds), vocab_size=V,
-                         max_num_logprobs=lambda slots: -1)  # V2's NO_LOGPROBS
+                         max_num_logprobs=lambda slots: -1,  # V2's NO_LOGPROBS
+                         min_p=SimpleNamespace(np=np.zeros(4)))
     req_states = SimpleNamespace(prefill_len=SimpleNamespace(
         gpu=torch.tensor([8, 3, 5, 6], dtype=torch.int32, device=dev)),
         draft_tokens=draft_tokens)
@@ -138,10 +139,9 @@ def make_runner(dev, core, v2_step, temperature=0.0):
         speculator=SimpleNamespace(num_speculative_steps=L, trees=trees, expect=None,
                                    draft_attn_layer_names={"drafter.layers.0.attn"}),
         model_state=SimpleNamespace(),
-        # no request needs V2's logits processing (v2/requests.py: test_v2_requests.py)
+        # no logits processor, no min_p (v2/requests.py: test_v2_requests.py)
         sampler=SimpleNamespace(sampling_states=st, compute_nans=False,
-                                req_states=req_states,
-                                needs_logits_processing=np.zeros(4, dtype=bool)),
+                                req_states=req_states, logits_processors=[]),
         block_tables=SimpleNamespace(input_block_tables=[bt], block_sizes=[BS]),
         kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(
             layer_names=list(ctx))]),

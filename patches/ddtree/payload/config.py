@@ -223,7 +223,7 @@ V1_SERVED = ("logprobs", "presence/frequency/repetition penalties", "bad_words",
              "structured outputs")
 # on the V2 runner by V2's own processors per tree node (v2/requests.py;
 # tests/engine/test_v2_requests.py); structured outputs not yet
-V2_SERVED = V1_SERVED[:-1]
+V2_SERVED = tuple(f for f in V1_SERVED if f != "structured outputs")
 
 
 def _v1_served() -> tuple[str, ...]:
@@ -241,14 +241,14 @@ def validate_request(params, spec=None) -> None:
     refused per request (instead of silently ignoring them, which would change the
     output).  ``spec``: the engine's SpeculativeConfig (None: an engine whose runner
     is unknown refuses them all)."""
-    runner = None if spec is None else "v2" if settings.of(spec).v2 else "v1"
-    served = {"v1": _v1_served, "v2": lambda: V2_SERVED}.get(runner, tuple)()
+    v2 = spec is not None and settings.of(spec).v2
+    served = () if spec is None else V2_SERVED if v2 else _v1_served()
     bad = [f for f in request_features(params) if f not in served]
-    if runner == "v1" and params.logprobs is not None and params.logprobs < 0:
+    if spec is not None and not v2 and params.logprobs is not None and params.logprobs < 0:
         bad.append("logprobs=-1 (the whole vocabulary)")
     if bad:
-        where = {"v1": "the V1 runner", "v2": "vLLM's V2 model runner"}.get(
-            runner, "this engine")
+        where = "this engine" if spec is None else \
+            "vLLM's V2 model runner" if v2 else "the V1 runner"
         raise DDTreeRequestError("speculative method 'ddtree' does not support "
                                  + ", ".join(bad) + f" on {where} yet; drop them or "
                                  "serve without DDTree")

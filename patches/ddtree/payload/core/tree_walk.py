@@ -43,6 +43,14 @@ class WalkResult(NamedTuple):
     output_tokens: torch.Tensor  # [N, L+1] int64
     num_accepted: torch.Tensor  # [N] int64
 
+    def emitting_rows(self, width: int) -> torch.Tensor:
+        """[N, width] int64: the verify row that emitted output token j (its logprobs
+        come from there); 0 past the path (never emitted)."""
+        acc = self.accepted_rows[:, :width].clamp(min=0)
+        if acc.shape[1] < width:
+            acc = torch.cat([acc, acc.new_zeros(acc.shape[0], width - acc.shape[1])], 1)
+        return acc
+
 
 def masses(p: torch.Tensor) -> torch.Tensor:
     """float probabilities -> int64 fixed-point masses (units 2**-40)."""

@@ -129,9 +129,7 @@ def emitted_logprobs(sampler, rows: torch.Tensor, walk, tokens: torch.Tensor, k:
     accepted rows), raw logprobs (or raw logits, logprobs_mode='raw_logits'), the
     emitted token first, then the top k."""
     n, w = tokens.shape
-    acc = walk.accepted_rows[:, :w].clamp(min=0)
-    if acc.shape[1] < w:  # columns past the deepest path are never emitted
-        acc = torch.cat([acc, acc.new_zeros(n, w - acc.shape[1])], 1)
+    acc = walk.emitting_rows(w)
     picked = rows[torch.arange(n, device=rows.device)[:, None], acc].reshape(n * w, -1)
     picked = picked.to(torch.float32)
     if sampler.logprobs_mode != "raw_logits":

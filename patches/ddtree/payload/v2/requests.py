@@ -25,16 +25,29 @@ import torch
 NO_LOGPROBS = -1  # vllm/v1/worker/gpu/sample/states.py: no request asked for logprobs
 
 
+def _acting(p, slots_np) -> np.ndarray:
+    """Which requests V2's logits processor ``p`` acts on (an unknown one: all)."""
+    for name in ("use_logit_bias", "use_penalty"):
+        if hasattr(p, name):
+            return getattr(p, name)[slots_np]
+    if hasattr(p, "num_bad_words"):
+        return p.num_bad_words.np[slots_np] > 0
+    return np.ones(len(slots_np), dtype=bool)
+
+
+def needs_processing(sampler, slots_np) -> bool:
+    """Does a request use what core.target_probs does not apply itself (logit bias,
+    allowed tokens, min_tokens, penalties, bad words, min_p)?  Temperature, top-k and
+    top-p stay there, so plain sampling keeps its single pass over the rows."""
+    return bool(np.any(sampler.sampling_states.min_p.np[slots_np] != 0.0) or
+                any(np.any(_acting(p, slots_np)) for p in sampler.logits_processors))
+
+
 def path_dependent(sampler, slots_np) -> bool:
-    """Does a request in ``slots_np`` use a processor that reads its draft history
-    (penalties, bad words)?"""
-    if np.any(sampler.penalties_state.use_penalty[slots_np]):
-        return True
-    for p in sampler.logits_processors:
-        num = getattr(p, "num_bad_words", None)
-        if num is not None and np.any(num.np[slots_np] > 0):
-            return True
-    return False
+    """Does a request use a processor that reads its draft history (penalties, bad
+    words)?"""
+    return any(np.any(_acting(p, slots_np)) for p in sampler.logits_processors
+               if not hasattr(p, "use_logit_bias"))
 
 
 def leaf_chains(parents: list[list[int]], nodes: list[int], starts: list[int]):
@@ -70,9 +83,10 @@ def leaf_chains(parents: list[list[int]], nodes: list[int], starts: list[int]):
 
 def process(sampler, logits: torch.Tensor, batch, tree) -> torch.Tensor | None:
     """float32 logits [rows, V] in the verify layout, each row processed after its own
-    path; None when no request of the batch needs processing."""
+    path (temperature and min_p included, top-k / top-p not); None when no request of
+    the batch needs more than temperature, top-k and top-p."""
     slots_np = batch.idx_mapping_np
-    if not np.any(sampler.needs_logits_processing[slots_np]):
+    if not needs_processing(sampler, slots_np):
         return None
     pos = batch.positions[batch.logits_indices]
     ids = batch.input_ids[batch.logits_indices]
@@ -114,9 +128,7 @@ def emitted_logprobs(sampler, logits, batch, rows, walk, sampled, num_sampled):
     n = batch.num_reqs
     cu = batch.cu_num_logits[: n + 1].long()
     w = rows.shape[1]
-    acc = walk.accepted_rows[:, :w].clamp(min=0)
-    if acc.shape[1] < w:  # columns past the deepest path are never emitted
-        acc = torch.cat([acc, acc.new_zeros(n, w - acc.shape[1])], 1)
+    acc = walk.emitting_rows(w)
     j = torch.arange(w, device=cu.device)
     keep = j.unsqueeze(0) < (cu[1:] - cu[:-1]).unsqueeze(1)
     dst = (cu[:-1].unsqueeze(1) + j)[keep]
