@@ -212,6 +212,66 @@ def test_mixed_batch_maps_spec_rows_to_batch_rows(monkeypatch):
     torch.testing.assert_close(layer.kv_cache[0][7].double(), h2)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_one_plan_per_forward_across_layers_with_their_own_metadata(backend, monkeypatch):
+    """vLLM gives a hybrid's GDN layers a KV cache group, and so a metadata object, each
+    (different state slots, the same batch): the step's plan is built once per forward
+    (by the first layer; vLLM's forward context is the scope) and every layer still
+    reads and commits its own slots."""
+    cuda, gt, core = _mods()
+    dev = device() if backend == "triton" else "cpu"
+    gen = torch.Generator().manual_seed(11)
+    layers = [Layer(dev, torch.float32, gen) for _ in range(2)]
+    layers[1].prefix = "model.layers.1.linear_attn"
+    B, n = 5, 2
+    ts = TreeState(n, B + 1, dev)
+    tree = core.build_tree(torch.randn(n, 4, 32, generator=gen) * 2, B, B, backend="torch")
+    for r in range(n):
+        ts.has_tree[r] = 1
+        ts.mask[r] = gt.tree_mask(tree.parents[r: r + 1].to(dev).long())[0].to(torch.int8)
+    t = B + 1
+    qsl = torch.arange(0, n * t + 1, t, dtype=torch.int32, device=dev)
+    slots = ([[2], [6]], [[5], [1]])
+    mds = [SimpleNamespace(num_spec_decodes=n, uniform_spec_sequence_length=t,
+                           num_spec_decode_tokens=n * t, num_prefills=0, num_decodes=0,
+                           spec_query_start_loc=qsl, spec_sequence_masks_cpu=None,
+                           spec_state_indices_tensor=torch.tensor(s, device=dev))
+           for s in slots]
+    gdn = cuda.GDNTree({lay.prefix: lay for lay in layers}, ts, max_tokens=32,
+                       max_reqs=n, depth=B, device=dev)
+    gdn.backend = backend
+    monkeypatch.setattr(cuda, "_dim_first", lambda: True)
+    built = []
+    real = cuda.windows_from_mask
+    monkeypatch.setattr(cuda, "windows_from_mask", lambda *a: built.append(1) or real(*a))
+    forward = SimpleNamespace()  # this forward's scope (vLLM: the forward context)
+    monkeypatch.setattr(cuda, "step_scope", lambda md: forward)
+    start = [[c.clone() for c in lay.kv_cache] for lay in layers]
+    xs = [[torch.randn(n * t, d, generator=gen).to(dev) for d in (C, HV, HV)]
+          for _ in layers]
+    gdn.note_step()
+    outs = [cuda.tree_spec_forward(lay, md, x, b, a, *lay.kv_cache)
+            for lay, md, (x, a, b) in zip(layers, mds, xs)]
+    assert len(built) == 1
+    rows, num = deepest_path(tree, B + 1)
+    gdn.commit(rows.to(dev), num.to(dev), n)
+    for lay, md, (x, a, b), out, (conv0, ssm0) in zip(layers, mds, xs, outs, start):
+        for r in range(n):
+            s = int(md.spec_state_indices_tensor[r, 0])
+            path = [r * t + i for i in rows[r, : int(num[r]) + 1].tolist()]
+            o, state, hist = reference(lay, x, a, b, conv0[s], ssm0[s].transpose(-1, -2),
+                                       path)
+            torch.testing.assert_close(out[0, path[-1]].double(), o, rtol=2e-4, atol=2e-4)
+            torch.testing.assert_close(lay.kv_cache[1][s].transpose(-1, -2).double(),
+                                       state, rtol=2e-4, atol=2e-4)
+            torch.testing.assert_close(lay.kv_cache[0][s].double(), hist)
+    # a new forward builds a new plan
+    forward = SimpleNamespace()
+    cuda.tree_spec_forward(layers[0], mds[0], *xs[0][:1], xs[0][2], xs[0][1],
+                           *layers[0].kv_cache)
+    assert len(built) == 2
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_windows_from_mask_equal_conv_windows(seed):
     cuda, gt, core = _mods()
