@@ -97,7 +97,8 @@ def rows(arch: int) -> list[dict]:
     for name, fn, consts in (
             ("conv", gk._conv_kernel, dict(W=4, HAS_BIAS=True, SILU=True, COPY_X=True,
                                            BC=256)),
-            ("commit", gk._commit_kernel, dict(L1=16, K=128, V=128, BV=64)),
+            ("commit", gk._commit_kernel, dict(L1=16, LP=16, K=128, V=128, BV=32,
+                                                 PREC="tf32x3")),
             ("conv_commit", gk._conv_commit_kernel, dict(L1=16, W=4, WP=4, BC=128))):
         out.append({"kernel": name, **resources(fn, consts, arch)})
     return out

@@ -186,9 +186,11 @@ if HAS_TRITON:
     @triton.jit
     def _commit_kernel(h_ptr, out_ptr, slot_ptr, shs, shh, shk, shv, sos, soh, sok, sov,
                        sk_ptr, su_ptr, sg_ptr, skr, sur, sgr, base_ptr, rows_ptr, na_ptr,
-                       HV, H, L1: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BV: tl.constexpr):
-        # S_a = e^{G_a} h0 + sum_path e^{G_a - G_s} k_s u_s^T; in place when out = h
+                       HV, H, L1: tl.constexpr, LP: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+        # S_a = e^{G_a} h0 + sum_path e^{G_a - G_s} k_s u_s^T; in place when out = h.
+        # The path's rows are loaded at once and summed by one dot (K x LP x BV), not a
+        # loop of dependent loads.
         n = tl.program_id(0).to(tl.int64)
         hv = tl.program_id(1).to(tl.int64)
         ov = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -199,15 +201,18 @@ if HAS_TRITON:
         base = tl.load(base_ptr + n)
         a = tl.load(na_ptr + n)
         Ga = tl.load(sg_ptr + (base + tl.load(rows_ptr + n * L1 + a)) * sgr + hv)
-        s = tl.exp(Ga) * tl.load(h_ptr + slot * shs + hv * shh + ok[:, None] * shk +
-                                 ov[None, :] * shv, mask=ovm[None, :], other=0.0).to(tl.float32)
-        for j in range(L1):
-            on = j <= a
-            r = base + tl.load(rows_ptr + n * L1 + j, mask=on, other=0)
-            w = tl.where(on, tl.exp(Ga - tl.load(sg_ptr + r * sgr + hv)), 0.0)
-            kr = tl.load(sk_ptr + r * skr + kh * K + ok)
-            ur = tl.load(su_ptr + r * sur + hv * V + ov, mask=ovm, other=0.0)
-            s += w * kr[:, None] * ur[None, :]
+        h = tl.load(h_ptr + slot * shs + hv * shh + ok[:, None] * shk + ov[None, :] * shv,
+                    mask=ovm[None, :], other=0.0).to(tl.float32)
+        j = tl.arange(0, LP)
+        on = j <= a
+        r = base + tl.load(rows_ptr + n * L1 + j, mask=on, other=0)
+        w = tl.where(on, tl.exp(Ga - tl.load(sg_ptr + r * sgr + hv, mask=on, other=0.0)),
+                     0.0)
+        kr = tl.load(sk_ptr + r[:, None] * skr + kh * K + ok[None, :], mask=on[:, None],
+                     other=0.0)  # [LP, K]
+        ur = tl.load(su_ptr + r[:, None] * sur + hv * V + ov[None, :],
+                     mask=on[:, None] & ovm[None, :], other=0.0)  # [LP, BV]
+        s = tl.exp(Ga) * h + tl.dot(tl.trans(kr * w[:, None]), ur, input_precision=PREC)
         tl.store(out_ptr + slot * sos + hv * soh + ok[:, None] * sok + ov[None, :] * sov,
                  s.to(out_ptr.dtype.element_ty), mask=ovm[None, :])
 
@@ -309,11 +314,11 @@ def commit(state, slot, stash, base, rows, num, out=None, state_kv=True):
     st, so = state.stride(), out.stride()
     hs = (st[0], st[1], st[2], st[3]) if state_kv else (st[0], st[1], st[3], st[2])
     os_ = (so[0], so[1], so[2], so[3]) if state_kv else (so[0], so[1], so[3], so[2])
-    bv = min(64, next_pow2(vd))
+    bv = min(32, next_pow2(vd))
     _commit_kernel[(n, hv, triton.cdiv(vd, bv))](
         state, out, _i64(slot), *hs, *os_, sk, su, sg, sk.stride(0), su.stride(0),
-        sg.stride(0), _i64(base), _i64(rows), _i64(num), hv, sk.shape[-2], L1=l1, K=kd,
-        V=vd, BV=bv)
+        sg.stride(0), _i64(base), _i64(rows), _i64(num), hv, sk.shape[-2], L1=l1,
+        LP=max(16, next_pow2(l1)), K=kd, V=vd, BV=bv, PREC=VERIFY_BLOCKS["prec"])
     return out
 
 
