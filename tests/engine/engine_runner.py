@@ -215,7 +215,10 @@ def _sampling(cls, spec):
 def _worker_info(worker) -> dict:
     """Runs on the worker (collective_rpc): what the engine actually built."""
     mr = worker.model_runner
-    info: dict = {"model_runner": type(mr).__name__}
+    info: dict = {"model_runner": type(mr).__name__,
+                  "model_runner_module": type(mr).__module__}
+    rt = getattr(mr, "ddtree", None)  # the V2 runner's DDTree runtime, when patched
+    info["ddtree_runtime"] = type(rt).__name__ if rt is not None else None
     groups = []
     for gl in getattr(mr, "attn_groups", None) or []:
         for g in gl:

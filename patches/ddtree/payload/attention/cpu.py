@@ -99,3 +99,47 @@ def tree_attention(impl, layer, query, key, value, kv_cache, md, output):
     step.stash_kv(layer, impl, kv_cache.view(nb, heads, two_bs // 2, 2 * d), key[:n],
                   value[:n], md.slot_mapping[:n])
     return output
+
+
+class TreeView:
+    """The V2 runtime's TreeState (has_tree, ancestor-or-self mask by batch row) as
+    ``tree_attention`` reads a step.  A V2 tree request's query rows are its root and
+    nodes, so mask row i is query row i; rows without a tree are causal."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def visible(self, r: int, q_len: int, seq_len: int):
+        ctx = seq_len - q_len
+        if int(self.state.has_tree[r]):
+            new = self.state.mask[r, :q_len, :q_len].cpu() != 0
+        else:
+            new = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+        pos = ctx + new.sum(1) - 1  # root + depth
+        return torch.cat([torch.ones(q_len, ctx, dtype=torch.bool), new], dim=1), pos
+
+    def stash_kv(self, *args) -> None:
+        """Nothing: the rows' K/V are in the cache at their linear slots and the V2
+        commit moves the accepted ones (``compact_kv``)."""
+
+
+def compact_kv(caches, isas, block_table, block_size: int, start, rows, num_accepted):
+    """core.compact_kv for CPU_ATTN caches ([blocks, H, 2 * block_size, D], K rows then
+    V rows, the element order of each (block, head) region set by the ISA: ``_layout``;
+    ``isas``: each cache's layer ISA): every accepted row's K/V moves to the slot right
+    after its request's root."""
+    from ..core.kv_compact import compaction_slots
+
+    src, dst = compaction_slots(block_table, block_size, start, rows, num_accepted)
+    keep = torch.nonzero(src.reshape(-1) >= 0).squeeze(1)
+    s, d = src.reshape(-1)[keep], dst.reshape(-1)[keep]
+    if s.numel() == 0:
+        return
+    for kv, isa in zip(caches, isas):
+        nb, heads, two_bs, dim = kv.shape
+        k_index, v_index = _layout(isa, block_size, dim, kv.dtype)
+        idx = torch.cat([k_index.view(block_size, dim), v_index.view(block_size, dim)], 1)
+        raw = kv.view(nb, heads, two_bs * dim)
+        h = torch.arange(heads)[None, :, None]
+        vals = raw[(s // block_size)[:, None, None], h, idx[s % block_size][:, None, :]]
+        raw[(d // block_size)[:, None, None], h, idx[d % block_size][:, None, :]] = vals

