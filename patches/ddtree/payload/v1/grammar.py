@@ -164,6 +164,11 @@ def bitmask(manager, requests, request_ids, scheduled):
     if not trees:
         return out
     mask = manager._grammar_bitmask
+    # the V2 runtime verifies a step whose requests all have <= its chain budget of
+    # drafts as a chain: then every row's mask is the chain's
+    runtime = _channel(manager).runtime
+    as_chain = getattr(runtime, "verifies_chain", None)
+    as_chain = as_chain is not None and as_chain(scheduled)
     # 0.33 gives each request a block of 1 + num_speculative_tokens rows; 0.32 packs
     # 1 + len(drafts) rows per request
     blocks = hasattr(manager, "_masked_reasoning_ends")
@@ -173,11 +178,12 @@ def bitmask(manager, requests, request_ids, scheduled):
         start = i * stride if blocks else row
         row += len(scheduled.get(rid) or ()) + 1
         if rid in trees:
-            _fill_tree(manager, requests[rid], trees[rid], mask, start)
+            _fill_tree(manager, requests[rid], trees[rid], mask, start, as_chain)
     return out
 
 
-def _fill_tree(manager, request, tokens: list[int], mask, root: int) -> None:
+def _fill_tree(manager, request, tokens: list[int], mask, root: int,
+               as_chain: bool = False) -> None:
     """Rows root + 1 + j (node j) of a request validate() passed: each the grammar's
     mask after node j's path; a node the grammar does not take (its path reaches a
     terminated grammar) gets its parent's row: it cannot be accepted, and its row
@@ -186,7 +192,8 @@ def _fill_tree(manager, request, tokens: list[int], mask, root: int) -> None:
 
     tokens = list(strip_speculative_padding(tokens))
     grammar = request.structured_output_request.grammar
-    parents = _parents(manager, request, tokens)
+    parents = list(range(-1, len(tokens) - 1)) if as_chain else \
+        _parents(manager, request, tokens)
     if parents is None:  # validate() lets no such drafts through
         raise RuntimeError(
             f"DDTree: request {request.request_id} has {len(tokens)} drafts under a "

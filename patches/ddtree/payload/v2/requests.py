@@ -141,3 +141,18 @@ def emitted_logprobs(sampler, logits, batch, rows, walk, sampled, num_sampled):
     return compute_topk_scores(
         logits[src], k, tok, batch.cu_num_logits_np[: n + 1].tolist() if expanded else None,
         logits_mode=sampler.logprobs_mode == "raw_logits")
+
+
+def without_invalid(tree, invalid: torch.Tensor, cu_num_logits: torch.Tensor, n: int):
+    """The tree with each request's nodes cut to those before its first invalid row
+    (vLLM's ``grammar_invalid_drafts``: logit rows past the drafts the grammar checked,
+    verified against a permissive mask; they are a suffix of the request's rows, so
+    the nodes left are a pop-order prefix, a subtree)."""
+    import dataclasses
+
+    cu = cu_num_logits[: n + 1].long()
+    valid = torch.cat([invalid.new_zeros(1, dtype=torch.long),
+                       (~invalid).long().cumsum(0)])
+    allowed = valid[cu[1:]] - valid[cu[:-1]] - 1  # valid rows after the root
+    nodes = torch.minimum(tree.num_nodes, allowed.clamp(min=0).to(tree.num_nodes.dtype))
+    return dataclasses.replace(tree, num_nodes=nodes)

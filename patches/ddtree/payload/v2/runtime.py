@@ -151,6 +151,8 @@ class V2DDTree:
         self.stats = Stats()
         self.speculator.runtime = self
         runner.model_state.ddtree = self
+        # the scheduler's grammar masks read the trees (v1/grammar.py, one process)
+        self.config.channel.runtime = self
         self.sampler = DDTreeV2Sampler(self, runner.sampler)
         from ..gdn.cuda import attach
 
@@ -239,6 +241,28 @@ class V2DDTree:
         # ALiBi, softcap, sinks, quantised KV (attention/features.py)
         check_target(self.runner.compilation_config.static_forward_context, draft)
         self._backends_ok = True
+
+    # ---------------------------------------------------------------- structured outputs
+    def tree_of(self, req_id: str):
+        """(tokens, parents) of the drafts the request's next verify runs as a tree: its
+        slot's stored tree (v1/grammar.py, on the scheduler's side of this process)."""
+        slot = self.runner.req_states.req_id_to_index.get(req_id)
+        if slot is None:
+            return None
+        k = int(self.trees.num_nodes[slot])
+        return self.runner.req_states.draft_tokens[slot, :k], self.trees.parents[slot, :k]
+
+    def prune(self, req_id: str, keep: list[int]) -> bool:
+        """Not done on V2 (with async scheduling the verify has already run): the
+        scheduler keeps the pop order's allowed prefix."""
+        return False
+
+    def verifies_chain(self, scheduled: dict) -> bool:
+        """Will the step of these scheduled drafts (req id -> drafts) verify as a chain
+        (prepare's rule: every request <= chain_budget drafts)?  Its grammar masks are
+        then the chain's (v1/grammar.py)."""
+        most = max((len(d) for d in scheduled.values()), default=0)
+        return self.chain_budget > 0 and most <= self.chain_budget
 
     # ---------------------------------------------------------------- commit
     def commit(self, input_batch, last_hidden_states, aux_hidden_states) -> None:

@@ -34,9 +34,6 @@ class DDTreeV2Sampler:
         self.sampler = sampler  # V2's Sampler: sampling states (temperature, seeds, ...)
 
     def __call__(self, logits, input_batch, draft_logits=None, invalid_drafts=None):
-        if invalid_drafts is not None:
-            raise NotImplementedError("method='ddtree' does not support structured "
-                                      "outputs (grammar bitmasks) yet")
         step = self.runtime.step
         if step is None or step.input_batch is not input_batch:
             raise RuntimeError("DDTree V2: drafts to verify but no prepared tree step")
@@ -46,10 +43,14 @@ class DDTreeV2Sampler:
         num_nans = get_num_nans(logits) if self.sampler.compute_nans else None
         rows = v2_step.verify_rows(input_batch.cu_num_logits, n, rt.budget)
         slots_np = input_batch.idx_mapping_np
-        processed = v2_requests.process(self.sampler, logits, input_batch, step.tree)
+        tree = step.tree
+        if invalid_drafts is not None:  # grammar: drafts verified against a permissive row
+            tree = v2_requests.without_invalid(tree, invalid_drafts, input_batch.cu_num_logits,
+                                               n)
+        processed = v2_requests.process(self.sampler, logits, input_batch, tree)
         target = logits if processed is None else processed
         if np.all(st.temperature.np[slots_np] == 0.0):
-            walk = walk_greedy(target.argmax(-1)[rows], step.tree)
+            walk = walk_greedy(target.argmax(-1)[rows], tree)
         else:
             slots = input_batch.idx_mapping
             top_k = st.top_k.gpu[slots] if np.any(st.top_k.np[slots_np] != st.vocab_size) \
@@ -62,7 +63,7 @@ class DDTreeV2Sampler:
             first = input_batch.logits_indices[input_batch.cu_num_logits[:n].long()]
             u = v2_step.uniforms(st.seeds.gpu[slots], input_batch.positions[first],
                                  rt.depth + 1, rt.fused)
-            walk = walk_sampled(probs, step.tree, u)
+            walk = walk_sampled(probs, tree, u)
         rt.walk = walk
         sampled, num_sampled = v2_step.sampler_outputs(walk, rt.budget + 1)
         num_sampled, num_rejected = get_num_sampled_and_rejected(
