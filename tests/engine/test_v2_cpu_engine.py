@@ -26,6 +26,8 @@ LENGTHS = (3, 7, 12, 17, 23, 29)
 MAX_TOKENS = 24
 DEPTH = 3  # the tiny drafter's block_size 4 - 1
 TRIPLE_RE = "(w1[0-9]*w1[0-9]*w2[0-9]*)+"
+SAMPLES = 2000
+SAMPLED_PROMPT = [5, 9, 3, 7]
 
 SITECUSTOMIZE = '''\
 import importlib.machinery
@@ -91,7 +93,7 @@ def _run(python: str, spec: dict, work: Path, tag: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def v2(patched_env, tiny_models, engine_prompts, tmp_path_factory):
+def v2(patched_env, tiny_models, make_tiny_models, engine_prompts, tmp_path_factory):
     py = patched_env("v2cpu")
     work = tmp_path_factory.mktemp("v2cpu_runs")
     inject = work / "inject"
@@ -120,8 +122,16 @@ def v2(patched_env, tiny_models, engine_prompts, tmp_path_factory):
     jobs = [{"name": "greedy", "prompts": prompts, "sampling": greedy}] + features \
         + structured + stale
     target = {"model": tiny_models["target"], "skip_tokenizer_init": False}
-    ref = _run(py, {"configs": [{"name": "nospec", "llm": target, "env": env,
-                                 "jobs": jobs + [plain]}]}, work, "v2_nospec")["nospec"]
+    # sampling: a tiny vocabulary (24) so that the joint of 3 tokens has few outcomes
+    small = make_tiny_models(target={"vocab_size": 24})
+    sampled = [rq.job("sampled", [SAMPLED_PROMPT],
+                      {"temperature": 1.2, "max_tokens": 3, "n": SAMPLES,
+                       "ignore_eos": True})]
+    refs = _run(py, {"configs": [
+        {"name": "nospec", "llm": target, "env": env, "jobs": jobs + [plain]},
+        {"name": "small_nospec", "llm": {"model": small["target"]}, "env": env,
+         "jobs": sampled}]}, work, "v2_nospec")
+    ref = refs["nospec"]
     seqs = [p + t for j in jobs for p, t in zip(j["prompts"], ref["jobs"][j["name"]]
                                                 ["token_ids"])]
     synth = work / "synthetic-mixed.json"
@@ -139,8 +149,13 @@ def v2(patched_env, tiny_models, engine_prompts, tmp_path_factory):
         # V2's default schedule, fixed (no tree-or-chain choice): trees of 8 at 1
         # request, of 4 at 2, chain steps of 3 while 3 or more requests run
         ddtree("schedule", ddtree_budget_control="off", ddtree_synthetic=str(synth)),
+        {**ddtree("small_b8", ddtree_chain_budget=0), "jobs": sampled,
+         "llm": {"model": small["target"], "speculative_config": {
+             "method": "ddtree", "model": small["drafter"], "num_speculative_tokens": 8,
+             "ddtree_chain_budget": 0}}},
     ]}, work, "v2_ddtree")
     stats = {n: json.loads((work / f"stats-{n}.json").read_text()) for n in got}
+    got["small_nospec"] = refs["small_nospec"]
     return {"ref": ref, "got": got, "stats": stats, "jobs": {j["name"]: j for j in jobs},
             "plain": plain}
 
@@ -225,3 +240,24 @@ def test_v2_grammar_cut_drafts_it_forbids(v2):
     cut some drafts and kept others on the V2 runner too."""
     s = v2["stats"]["trees"]
     assert s.get("grammar_cut", 0) > 0 and s.get("grammar_kept", 0) > 0, s
+
+
+def test_v2_sampled_ddtree_keeps_the_target_distribution(v2):
+    """T = 1.2 on a 24-token target, 2000 samples of 3 tokens: the joint distribution of
+    DDTree's outputs (trees of 8 every step, V2's sampled walk) is no-spec's
+    (chi-square), and the walk accepted drafts, some through later siblings."""
+    from scipy.stats import chi2_contingency
+
+    def joint(run):
+        outs = run["jobs"]["sampled"]["runs"][0]["outputs"][0]
+        assert len(outs) == SAMPLES
+        return [tuple(o["token_ids"]) for o in outs]
+
+    ref, got = joint(v2["got"]["small_nospec"]), joint(v2["got"]["small_b8"])
+    table = rq.pooled(ref, got)
+    assert len(table) >= 5, "too few distinct outcomes for a meaningful test"
+    p = chi2_contingency(table)[1]
+    assert p > 0.001, (p, table)
+    assert rq.marginal_p(ref, got) > 0.001
+    s = v2["stats"]["small_b8"]
+    assert s["accepted"] > SAMPLES // 4 and s["accepted_non_first_child"] > 0, s
