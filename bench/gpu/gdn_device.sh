@@ -19,10 +19,11 @@
 # the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
 # give the first engine stage that time (run 14's eq and step calls timed out on it).
 # A session's plan (30 min): b1; install apply tests (verify on); eqg eq; step bench.
-# Run 17 (an H100) ran fp32 and e2e round 1.  Next, on the H200: b1; install apply
-# fp32ieee (VERIFY=0); profile (ddtreechain vs dflash: run 17 found DDTree's chain step
-# 2.9 ms slower in the verify forward alone); e2e rounds 1-3 (E2E_ROUNDS, spread over
-# calls); then 0.32.0 (.gpu-b32a / .gpu-b32b, VB=/tmp/vb32: install apply with verify).
+# Run 18 (H200) ran fp32ieee, profile, e2e round 1 and 0.32.0's verify; its profile found
+# the per-layer GDN plan, fixed after it.  Next: b1; install apply (VERIFY=0) profile
+# (PROFILE_CONFIGS="ddtreechain dflash": the plan's ~2,550 small kernels a step should be
+# gone); e2e rounds 1-3 (E2E_ROUNDS, spread over calls); eqg + chisq (the GDN path after
+# the change: the commit kernel now sums the path by one dot).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
