@@ -66,7 +66,8 @@ import common as C  # noqa: E402  (sets the offline / in-process defaults)
 
 N_PROMPTS, MAX_TOKENS = 8, 48
 ROWS = ("nospec_again", "ddtree", "ddtree_swa", "ddtree_eager", "ddtree_sync", "ddtree_per_batch",
-        "ddtree_chain", "ddtree_default", "ddtree_arms", "ddtree_features", "dflash")
+        "ddtree_chain", "ddtree_default", "ddtree_arms", "ddtree_features", "ddtree_grammar",
+        "dflash")
 SWA_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
 
@@ -95,10 +96,10 @@ def per_batch_schedule(b: int, chain: int = 0) -> list[list[int]]:
 
 def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str = "",
            sync: bool = False, per_batch: bool = False, chain: int = 0,
-           default: bool = False, arms: bool = False):
+           default: bool = False, arms: bool = False, tokenizer: bool = False):
     from vllm import LLM
 
-    kw = dict(model=m["target"], skip_tokenizer_init=True, dtype=a.dtype, seed=0,
+    kw = dict(model=m["target"], skip_tokenizer_init=not tokenizer, dtype=a.dtype, seed=0,
               max_model_len=512, max_num_seqs=N_PROMPTS, attention_backend=a.attn,
               enforce_eager=eager, disable_log_stats=False,
               # a fixed KV size: no memory profiling, so an engine that failed and is
@@ -209,6 +210,26 @@ def feature_params(vocab: int) -> list:
             sp(min_tokens=MAX_TOKENS - 8, stop_token_ids=[3, 5]),
             sp(presence_penalty=0.4, logit_bias={9: 2.0}, repetition_penalty=1.2),
             sp(frequency_penalty=0.8, min_tokens=10, stop_token_ids=[4])]
+
+
+def grammar_params() -> list:
+    """One request per prompt (#32, the rows a tokenizer needs: the tiny target's words
+    tokenizer, token i = "w<i>"): three regex grammars (one of period 3, whose node masks
+    differ from a chain's), bad words, min_p; greedy."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    def sp(**kw):
+        return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=True,
+                              **kw)
+
+    def regex(r):
+        return sp(structured_outputs=StructuredOutputsParams(regex=r))
+
+    return [regex("(w1[0-9]*)+"), regex("w2[0-9]*(w3[0-9]*w4[0-9]*)+"),
+            regex("(w1[0-9]*w1[0-9]*w2[0-9]*)+"), regex("(w1[0-9]*)+"),
+            sp(bad_words=["w7", "w11 w12"], ignore_eos=True), sp(min_p=0.2, ignore_eos=True),
+            regex("(w1[0-9]*w1[0-9]*w2[0-9]*)+"), sp(ignore_eos=True)]
 
 
 def logprob_gap(ref: dict, got: dict) -> float:
@@ -382,6 +403,9 @@ def main(argv=None) -> int:
     ap.add_argument("--features-row", action="store_true",
                     help="also request features per prompt (#32: penalties, logprobs, "
                          "logit bias, allowed tokens, min_tokens) against no-spec")
+    ap.add_argument("--grammar-row", action="store_true",
+                    help="also structured outputs (three regex grammars), bad words and "
+                         "min_p per prompt, with the target's words tokenizer (#32)")
     ap.add_argument("--ref-twice", action="store_true",
                     help="run the no-spec reference twice: a row of its own says whether "
                          "the reference itself repeats (run 11 e: it did not at a 0.002 gap)")
@@ -443,6 +467,19 @@ def main(argv=None) -> int:
                 "rank_probs": [0.5, 0.25, 0.1], "seed": 0, "peak": 3.0}))
         run("ddtree_features", res, out, a, m, toks, "ddtree", not a.graphs,
             drafter=m["drafter"], profile=fprofile, params=fp)
+    if a.grammar_row:  # its own reference: no-spec with the same requests
+        gp = grammar_params()
+        run("nospec_grammar", res, out, a, m, toks, "nospec", not a.graphs, params=gp,
+            tokenizer=True)
+        gref = res["nospec_grammar"]
+        gprofile = ""
+        if "tokens" in gref:
+            gprofile = str(out / "profile_grammar.json")
+            Path(gprofile).write_text(json.dumps({
+                "sequences": [p + o for p, o in zip(toks, gref["tokens"])],
+                "rank_probs": [0.5, 0.25, 0.1], "seed": 0, "peak": 3.0}))
+        run("ddtree_grammar", res, out, a, m, toks, "ddtree", not a.graphs,
+            drafter=m["drafter"], profile=gprofile, params=gp, tokenizer=True)
     if a.dtype != "float32":
         run("dflash", res, out, a, m, toks, "dflash", not a.graphs, drafter=m["drafter"])
 
@@ -452,7 +489,8 @@ def main(argv=None) -> int:
             continue
         r = res[name]
         base = res["ddtree"] if name == "ddtree_eager" else \
-            res.get("nospec_features", {}) if name == "ddtree_features" else ref
+            res.get("nospec_features", {}) if name == "ddtree_features" else \
+            res.get("nospec_grammar", {}) if name == "ddtree_grammar" else ref
         if "tokens" not in r or "tokens" not in base:
             rep, bad = None, ["error: " + (r.get("error") or base.get("error", "?"))
                               .strip().splitlines()[-1][:200]]

@@ -23,7 +23,8 @@
 # the per-layer GDN plan, fixed after it.  Next: b1; install apply (VERIFY=0) profile
 # (PROFILE_CONFIGS="ddtreechain dflash": the plan's ~2,550 small kernels a step should be
 # gone); e2e rounds 1-3 (E2E_ROUNDS, spread over calls); eqg + chisq (the GDN path after
-# the change: the commit kernel now sums the path by one dot).
+# the change: the commit kernel now sums the path by one dot); fp32ieee (now also the
+# grammar row: V2 structured outputs, bad words, min_p; prepared, never run).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -110,7 +111,7 @@ for s in ${STAGES:-install apply tests eq}; do
       stamp fp32 ieee
       TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee VLLM_USE_V2_MODEL_RUNNER=1 \
         timeout $(left ${T_FP32:-300}) python3 bench/gpu/equality_v2.py "$OUT/fp32_v2_ieee" \
-        --graphs --attn TRITON_ATTN --features-row > "$OUT/fp32_v2_ieee.txt" 2>&1; echo "rc=$?"
+        --graphs --attn TRITON_ATTN --features-row --grammar-row > "$OUT/fp32_v2_ieee.txt" 2>&1; echo "rc=$?"
       grep -E "PASS|FAIL|RESULT|Traceback|Error|DIFF" "$OUT/fp32_v2_ieee.txt" | cut -c1-300 | tail -12 ;;
     e2e)  # the 27B shape end to end (step_bench.py, BENCH_SHAPE=qwen36_27b): step phases,
       # then tokens/s with the calibrated synthetic drafter; alternating fresh processes,
