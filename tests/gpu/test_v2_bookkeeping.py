@@ -418,8 +418,6 @@ def test_refusals(monkeypatch):
     with pytest.raises(NotImplementedError, match="plain causal"):
         rt.mark(batch, {"model.layers.0.self_attn.attn": SimpleNamespace(
             causal=torch.ones(2))}, False)
-    with pytest.raises(NotImplementedError, match="structured outputs"):
-        rt.sampler(torch.zeros(12, V), batch, None, torch.zeros(12, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="no prepared tree step"):
         rt.sampler(torch.zeros(12, V), make_batch("cpu"))
     ctx = runner.compilation_config.static_forward_context

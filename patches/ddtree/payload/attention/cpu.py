@@ -13,8 +13,6 @@ import functools
 
 import torch
 
-from vllm import _custom_ops as ops
-
 from .features import check, window_of
 
 
@@ -26,6 +24,8 @@ def _digits(n: torch.Tensor, k: int) -> torch.Tensor:
 def _layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype):
     """(k_index, v_index): flat offset, inside one (block, head) region of
     2 * block_size * head_size elements, of element (token, dim) of K and of V."""
+    from vllm import _custom_ops as ops
+
     n = block_size * head_size
     token = torch.arange(block_size).view(-1, 1, 1).expand(block_size, 1, head_size)
     dim = torch.arange(head_size).view(1, 1, -1).expand(block_size, 1, head_size)

@@ -133,8 +133,9 @@ class V2DDTree:
         self.max_reqs = runner.max_num_reqs
         self.state = TreeState(self.max_reqs, self.budget, dev, self.config.split_attn)
         self.on_cpu = torch.device(dev).type == "cpu"
-        # what a marked target metadata points at: CPU_ATTN's tree_attention reads a view
-        self._marker = _cpu_attn().TreeView(self.state) if self.on_cpu else self.state
+        # what a marked target metadata points at (CPU_ATTN's tree_attention reads a
+        # view of it) and how its KV caches are laid out: set by the backend check
+        self._marker, self._cpu_layout = self.state, False
         self.fused = step_kernels.use_fused(dev)
         self._pack = torch.zeros(3 * self.max_reqs, dtype=torch.int64, device=dev)
         self._wpar = torch.zeros(self.max_reqs * self.budget, dtype=torch.int64, device=dev)
@@ -232,7 +233,8 @@ class V2DDTree:
                         _recurrent(getattr(g, "kv_cache_spec", None)):
                     continue  # the drafter's, or GDN layers (gdn_cuda.py)
                 name = g.backend.get_name()
-                ok = (CPU_BACKEND,) if self.on_cpu else BACKENDS
+                ok = BACKENDS + ((CPU_BACKEND,) if self.on_cpu else ())
+                self._cpu_layout |= name == CPU_BACKEND
                 if name not in ok:
                     raise NotImplementedError(
                         f"DDTree V2 verifies trees with the {' / '.join(ok)} "
@@ -240,6 +242,8 @@ class V2DDTree:
                         f"{name}: pass attention_backend={ok[0]!r}")
         # ALiBi, softcap, sinks, quantised KV (attention/features.py)
         check_target(self.runner.compilation_config.static_forward_context, draft)
+        if self._cpu_layout:
+            self._marker = _cpu_attn().TreeView(self.state)
         self._backends_ok = True
 
     # ---------------------------------------------------------------- structured outputs
@@ -293,7 +297,7 @@ class V2DDTree:
         tables = self.runner.block_tables
         for gid, caches in self._target_kv():
             table, bs = tables.input_block_tables[gid][:n], tables.block_sizes[gid]
-            if self.on_cpu:  # CPU_ATTN's own layout, by each layer's ISA
+            if self._cpu_layout:  # CPU_ATTN's own layout, by each layer's ISA
                 _cpu_attn().compact_kv([kv.view(kv.shape[0], kv.shape[1], 2 * bs, -1)
                                      for kv in caches], self._isas[gid], table, bs, start,
                                     rows, neff)
