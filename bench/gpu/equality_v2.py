@@ -232,6 +232,20 @@ def grammar_params() -> list:
             regex("(w1[0-9]*w1[0-9]*w2[0-9]*)+"), sp(ignore_eos=True)]
 
 
+def params_row(tag, params, res, out, a, m, toks, **kw) -> None:
+    """nospec_<tag>, then ddtree_<tag> with a synthetic drafter of no-spec's outputs,
+    both with one SamplingParams per prompt (``params``)."""
+    run(f"nospec_{tag}", res, out, a, m, toks, "nospec", not a.graphs, params=params, **kw)
+    ref, profile = res[f"nospec_{tag}"], ""
+    if "tokens" in ref:
+        profile = str(out / f"profile_{tag}.json")
+        Path(profile).write_text(json.dumps({
+            "sequences": [p + o for p, o in zip(toks, ref["tokens"])],
+            "rank_probs": [0.5, 0.25, 0.1], "seed": 0, "peak": 3.0}))
+    run(f"ddtree_{tag}", res, out, a, m, toks, "ddtree", not a.graphs,
+        drafter=m["drafter"], profile=profile, params=params, **kw)
+
+
 def logprob_gap(ref: dict, got: dict) -> float:
     """Largest |logprob difference| over the tokens both runs report at the steps both
     emitted the same token (the features row; fp32 criterion 1e-4)."""
@@ -456,30 +470,9 @@ def main(argv=None) -> int:
             drafter=m["drafter"], profile=profile, arms=True,
             chain=min(a.depth, a.budget - 1))
     if a.features_row:  # its own reference: no-spec with the same request features
-        fp = feature_params(m["mask"] + 1)  # the mask token is the last of the vocab
-        run("nospec_features", res, out, a, m, toks, "nospec", not a.graphs, params=fp)
-        fref = res["nospec_features"]
-        fprofile = ""
-        if "tokens" in fref:
-            fprofile = str(out / "profile_features.json")
-            Path(fprofile).write_text(json.dumps({
-                "sequences": [p + o for p, o in zip(toks, fref["tokens"])],
-                "rank_probs": [0.5, 0.25, 0.1], "seed": 0, "peak": 3.0}))
-        run("ddtree_features", res, out, a, m, toks, "ddtree", not a.graphs,
-            drafter=m["drafter"], profile=fprofile, params=fp)
-    if a.grammar_row:  # its own reference: no-spec with the same requests
-        gp = grammar_params()
-        run("nospec_grammar", res, out, a, m, toks, "nospec", not a.graphs, params=gp,
-            tokenizer=True)
-        gref = res["nospec_grammar"]
-        gprofile = ""
-        if "tokens" in gref:
-            gprofile = str(out / "profile_grammar.json")
-            Path(gprofile).write_text(json.dumps({
-                "sequences": [p + o for p, o in zip(toks, gref["tokens"])],
-                "rank_probs": [0.5, 0.25, 0.1], "seed": 0, "peak": 3.0}))
-        run("ddtree_grammar", res, out, a, m, toks, "ddtree", not a.graphs,
-            drafter=m["drafter"], profile=gprofile, params=gp, tokenizer=True)
+        params_row("features", feature_params(m["mask"] + 1), res, out, a, m, toks)
+    if a.grammar_row:  # the same with the target's words tokenizer
+        params_row("grammar", grammar_params(), res, out, a, m, toks, tokenizer=True)
     if a.dtype != "float32":
         run("dflash", res, out, a, m, toks, "dflash", not a.graphs, drafter=m["drafter"])
 
