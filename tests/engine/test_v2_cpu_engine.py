@@ -8,8 +8,9 @@ engines here run vLLM's own V2 kernels under the Triton interpreter (TRITON_INTE
 a stand-in "cpu" backend registered by a sitecustomize, as test_v2_helpers.py does);
 the one V2 kernel the interpreter cannot run, the grammar bitmask's, runs as the same
 arithmetic in torch (the sitecustomize's BitmaskKernel).
-One no-spec process and one DDTree process (tree steps forced with ddtree_chain_budget
-0, a synthetic drafter that accepts through siblings, and the default schedule).
+One no-spec process and one DDTree process: tree steps forced (ddtree_chain_budget 0,
+a synthetic drafter that accepts through siblings), V2's default schedule fixed (trees at
+1-2 requests, chain steps from 3), and a 24-token target for the sampled chi-square.
 """
 
 from __future__ import annotations
