@@ -170,8 +170,7 @@ class V2DDTree:
             return
         runner = self.runner
         n = input_batch.num_reqs
-        chain = self.chain_budget > 0 and \
-            int(np.diff(input_batch.cu_num_logits_np[: n + 1]).max()) - 1 <= self.chain_budget
+        chain = self.chain_step(int(np.diff(input_batch.cu_num_logits_np[: n + 1]).max()) - 1)
         pack = self._pack[: 3 * n]
         v2_step.build_pack(pack, n, input_batch.cu_num_logits, input_batch.query_start_loc,
                            input_batch.positions, input_batch.idx_mapping,
@@ -265,8 +264,12 @@ class V2DDTree:
         """Will the step of these scheduled drafts (req id -> drafts) verify as a chain
         (prepare's rule: every request <= chain_budget drafts)?  Its grammar masks are
         then the chain's (v1/grammar.py)."""
-        most = max((len(d) for d in scheduled.values()), default=0)
-        return self.chain_budget > 0 and most <= self.chain_budget
+        return self.chain_step(max((len(d) for d in scheduled.values()), default=0))
+
+    def chain_step(self, most_drafts: int) -> bool:
+        """A step whose requests have at most ``most_drafts`` drafts each runs as the
+        chain (prepare's rule, also the grammar masks')."""
+        return self.chain_budget > 0 and most_drafts <= self.chain_budget
 
     # ---------------------------------------------------------------- commit
     def commit(self, input_batch, last_hidden_states, aux_hidden_states) -> None:
