@@ -12,7 +12,7 @@
 # (gdn_profile.py, PROFILE_CONFIGS), fp32 (issue 28's tiny dense fp32 rows, V1 + V2),
 # fp32ieee (the V2 rows with Triton's fp32 dots in IEEE),
 # bench (GDN layer: tree vs chain), step (27B-shape
-# step, STEP_CONFIGS one process each), e2e (27B-shape step phases and end-to-end
+# step, STEP_CONFIGS one process each), startup (engine start-up, #29), e2e (27B-shape step phases and end-to-end
 # tokens/s, step_bench.py; not run yet).  VERIFY=0: apply without `verify`.
 # Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows.
 # A fresh machine compiles vLLM's Triton kernels at its first engine start (~150 s for
@@ -25,6 +25,11 @@
 # gone); e2e rounds 1-3 (E2E_ROUNDS, spread over calls); eqg + chisq (the GDN path after
 # the change: the commit kernel now sums the path by one dot); fp32ieee (now also the
 # grammar row: V2 structured outputs, bad words, min_p; prepared, never run).
+# Run 19 (H100) did b1; install apply profile; e2e rounds 1-3; eqg + chisq; tests.
+# Next (H200): b1; install apply (VERIFY=0); fp32ieee (the grammar row, #32) and fp32
+# (V1 rows, #28); e2e at BENCH_E2E_NEW=256 (3 rounds: does p90 at 1-2 requests hold with
+# the first step weighing half as much?); startup (#29: STARTUP_FRESH=1
+# STARTUP_SEQS=1,8 then 64 then 256, rounds spread over calls).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -113,6 +118,15 @@ for s in ${STAGES:-install apply tests eq}; do
         timeout $(left ${T_FP32:-300}) python3 bench/gpu/equality_v2.py "$OUT/fp32_v2_ieee" \
         --graphs --attn TRITON_ATTN --features-row --grammar-row > "$OUT/fp32_v2_ieee.txt" 2>&1; echo "rc=$?"
       grep -E "PASS|FAIL|RESULT|Traceback|Error|DIFF" "$OUT/fp32_v2_ieee.txt" | cut -c1-300 | tail -12 ;;
+    startup)  # issue 29: engine start-up, DDTree's V2 default vs DFlash at the same
+      # max_num_seqs, vLLM's capture sizes (startup_bench.py; 8B shape unless BENCH_SHAPE;
+      # STARTUP_FRESH=1 on a session's first startup call: cold Triton caches)
+      stamp startup
+      VLLM_USE_V2_MODEL_RUNNER=1 timeout $(left ${T_STARTUP:-560}) python3 bench/gpu/startup_bench.py \
+        "$OUT/startup" --configs "${STARTUP_CONFIGS:-chain15async,ddtree64autoasync}" \
+        --seqs "${STARTUP_SEQS:-1,8,64,256}" --rounds ${STARTUP_ROUNDS:-1} \
+        $([ "${STARTUP_FRESH:-0}" = 1 ] && echo --fresh) > "$OUT/startup.txt" 2>&1; echo "rc=$?"
+      grep -vE "^(INFO|WARNING|DEBUG)" "$OUT/startup.txt" | tail -14 ;;
     e2e)  # the 27B shape end to end (step_bench.py, BENCH_SHAPE=qwen36_27b): step phases,
       # then tokens/s with the calibrated synthetic drafter; alternating fresh processes,
       # E2E_ROUNDS round ids (spread rounds over calls), E2E_CONFIGS step_bench configs

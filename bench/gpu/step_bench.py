@@ -150,7 +150,8 @@ def make_models():
 
 
 def engine(spec: dict, **llm_kw):
-    """llm_kw: more LLM arguments (tp_equality.py: tensor parallelism)."""
+    """llm_kw: more LLM arguments, or ones that replace this bench's (tp_equality.py:
+    tensor parallelism; startup_bench.py: max_num_seqs and vLLM's default capture sizes)."""
     from vllm import LLM
     from vllm.config import LoadConfig
 
@@ -199,7 +200,8 @@ def engine(spec: dict, **llm_kw):
             sc["method"] = "dflash"
             kw["async_scheduling"] = bool(spec.get("async_sched"))
         kw["speculative_config"] = sc
-    return LLM(**kw, **llm_kw)
+    kw.update(llm_kw)
+    return LLM(**kw)
 
 
 def decode_width(scheduler_output):
