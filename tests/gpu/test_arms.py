@@ -283,6 +283,9 @@ def test_the_expected_tokens_decide_when_published(ch):
     assert rate[CHAIN] > rate[TREE] and rate[TREE] == pytest.approx(4.0 / 8.0)
     assert lookup[1] == CHAIN
     assert lookup.summary()[1]["chain 15"]["expected"] == 3.9
+    # what each arm realized, in the estimate's unit, logged beside it
+    assert lookup.summary()[1]["chain 15"]["measured"] == pytest.approx(3.0)
+    assert lookup.summary()[1][f"tree {TREE}"]["measured"] == pytest.approx(9.0)
     arms.ArmLookup([0, TREE], CHAIN, ch)  # a fresh start forgets the old expectations
     assert ch.expected == {}
 
@@ -634,3 +637,15 @@ def test_a_switch_is_priced_and_held_longer_when_it_costs(extra, first):
     pinned = arms.ArmLookup([0, TREE], CHAIN, pinned=(1, 2))  # stays as given
     pinned.stats, pinned.switches = lookup.stats, lookup.switches
     assert pinned._window(1) == 1
+
+
+def test_measured_tokens_are_per_request_step_and_decayed():
+    """summary's "measured" is the decayed mean of an arm's tokens per step divided by
+    the batch size: the unit of the published "expected", so the two can be compared."""
+    lookup = arms.ArmLookup([0, TREE, TREE], CHAIN)
+    tree = lookup.stats[(2, TREE)]
+    tree.add(4, 0.01)
+    tree.add(8, 0.01)
+    want = (4 * arms.DECAY + 8) / (arms.DECAY + 1) / 2
+    assert lookup.summary()[2][f"tree {TREE}"]["measured"] == pytest.approx(want, abs=1e-3)
+    assert lookup.summary()[2][f"chain {CHAIN}"]["measured"] == 0.0

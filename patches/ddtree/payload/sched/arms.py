@@ -67,18 +67,24 @@ class Arm:
     """One arm at one batch size: decayed sums of its output tokens and seconds, and
     its recent step times (their median is its step time: robust to a slow step)."""
 
-    __slots__ = ("tokens", "seconds", "steps", "recent")
+    __slots__ = ("tokens", "seconds", "weight", "steps", "recent")
 
     def __init__(self):
-        self.tokens = self.seconds = 0.0
+        self.tokens = self.seconds = self.weight = 0.0
         self.steps = 0
         self.recent = deque(maxlen=RECENT)
 
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens = self.tokens * DECAY + tokens
         self.seconds = self.seconds * DECAY + seconds
+        self.weight = self.weight * DECAY + 1.0
         self.recent.append(seconds)
         self.steps += 1
+
+    @property
+    def per_step(self) -> float:
+        """Measured output tokens per step (decayed like the rate)."""
+        return self.tokens / self.weight if self.weight > 0 else 0.0
 
     @property
     def rate(self) -> float:
@@ -254,8 +260,10 @@ class ArmLookup(list):
             _log(self.summary())
 
     def summary(self) -> dict:
-        """Per tree batch size: each arm's measured tokens/s and ms per step, steps
-        seen, times chosen, and (when published) the expected tokens per step, the
+        """Per tree batch size: each arm's measured tokens/s, ms per step, tokens per
+        request-step ("measured": what the arm realized on its own steps, to hold
+        against "expected", the published estimate in the same unit), steps seen,
+        times chosen, and (when published) the expected tokens per step, the
         tree's "edge" in standard errors, the measured "switches" and what one costs
         beyond the new arm's step ("switch_ms": switch_s), and under "subtrees" the
         tokens of smaller trees priced on the same steps."""
@@ -265,6 +273,7 @@ class ArmLookup(list):
             out[n] = {("tree" if k == ks[0] else "chain") + f" {k}": {
                 "tok_per_s": round(self.stats[(n, k)].rate, 1),
                 "ms": round(1e3 * self.stats[(n, k)].step_s, 3),
+                "measured": round(self.stats[(n, k)].per_step / n, 3),
                 "expected": None if e is None else round(e, 3),
                 "steps": self.stats[(n, k)].steps, "chosen": self.picked[(n, k)]}
                 for k, e in zip(ks, exp)}
