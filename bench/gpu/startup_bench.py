@@ -9,7 +9,9 @@ capture sizes vLLM picks for that max_num_seqs, as a user gets them, and timed u
 `LLM()` returns.  Each config compiles into its own Triton cache (CACHE_ROOT/<config>,
 outside OUT so that the caches do not travel back with the results; --fresh empties
 them first, so a session spread over calls passes it once): an engine that finds its
-cache empty is "cold" (Triton compiles its kernels), later ones "warm".  Order: rounds x max_num_seqs x configs, alternating.
+cache empty is "cold" (Triton compiles its kernels), later ones "warm"; each record
+lists the Triton kernels its engine compiled (variants new to the cache, by name).
+Order: rounds x max_num_seqs x configs, alternating.
 Writes OUT/startup.json and prints a table (warm medians, min-max, and the ratio of each
 config to the first one).
 """
@@ -47,6 +49,17 @@ def parse_log(text: str) -> dict:
             "capture_sizes": max(sizes) if sizes and max(sizes) else None}
 
 
+def compiled(cache: str) -> dict:
+    """Triton kernels compiled into a cache folder, by kernel name (one .cubin per
+    compiled variant): which kernels a start-up compiles, and how many variants each."""
+    out: dict = {}
+    for _, _, files in os.walk(cache):
+        for f in files:
+            if f.endswith(".cubin"):
+                out[f[:-6]] = out.get(f[:-6], 0) + 1
+    return out
+
+
 def one(cfg: str, seqs: int) -> None:
     """The child: build the engine, print its start-up time, leave without teardown."""
     sys.path.insert(0, HERE)
@@ -64,6 +77,7 @@ def one(cfg: str, seqs: int) -> None:
 def run(out: str, cfg: str, seqs: int, timeout: float, cache_root: str) -> dict:
     cache = os.path.join(cache_root, cfg)
     cold = not (os.path.isdir(cache) and os.listdir(cache))
+    before = compiled(cache)
     env = dict(os.environ, TRITON_CACHE_DIR=cache)
     t0 = time.perf_counter()
     try:
@@ -80,6 +94,10 @@ def run(out: str, cfg: str, seqs: int, timeout: float, cache_root: str) -> dict:
            "process_s": round(time.perf_counter() - t0, 2),
            "start_s": json.loads(m.group(1))["start_s"] if m else None}
     rec.update(parse_log(text))
+    after = compiled(cache)  # what this engine compiled: variants new to the cache
+    rec["compiled"] = {k: v - before.get(k, 0) for k, v in sorted(after.items())
+                       if v > before.get(k, 0)}
+    rec["compiled_total"] = sum(rec["compiled"].values())
     return rec
 
 

@@ -37,3 +37,13 @@ def test_table_warm_medians_ratio_and_cold_starts():
     assert t[2].startswith("| chain | 1 | 11.0 (10.0-12.0) | 1.00 |") and t[2].endswith("| 30.0 |")
     assert t[4].startswith("| tree | 1 | 15.0 (14.0-16.0) | 1.36 |") and t[4].endswith("| 90.0 |")
     assert "failed: timeout" in t[5]
+
+
+def test_compiled_counts_cubins_by_kernel(tmp_path):
+    S = load_bench("startup_bench")
+    for d, name in (("a1", "_verify_kernel"), ("a2", "_verify_kernel"), ("b", "_walk")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / f"{name}.cubin").write_bytes(b"")
+        (tmp_path / d / f"{name}.json").write_text("{}")
+    assert S.compiled(str(tmp_path)) == {"_verify_kernel": 2, "_walk": 1}
+    assert S.compiled(str(tmp_path / "missing")) == {}
