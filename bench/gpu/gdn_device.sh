@@ -28,7 +28,9 @@
 # Run 19 (H100) did b1; install apply profile; e2e rounds 1-3; eqg + chisq; tests.
 # Next (H200): b1; install apply (VERIFY=0); fp32ieee (the grammar row, #32) and fp32
 # (V1 rows, #28); e2e at BENCH_E2E_NEW=256 (3 rounds: does p90 at 1-2 requests hold with
-# the first step weighing half as much?); startup (#29: STARTUP_FRESH=1
+# the first step weighing half as much?), with E2E_CONFIGS adding ddtree15autoasync (a
+# tree step of 16 rows, the chain's own M: run 19's tree step of 17 rows cost 0.7 ms
+# more than its chain step at 1 request); startup (#29: STARTUP_FRESH=1
 # STARTUP_SEQS=1,8 then 64 then 256, rounds spread over calls).
 set -u
 OUT=${OUT:-/tmp/out}
