@@ -6,7 +6,8 @@ a run packed by bench/pack_results.py, unpacked to a temporary folder (e.g.
 bench/results/run3.tar.xz, bench/results/run12_033.tar.xz/c3).
 RESULTS_DIR holds step_bench.json, equality.json, kernel_bench.json (from run_all.sh) and
 optionally repeat/r*.json (the repeat stage: alternating fresh processes) and
-v2repeat/r*/step_bench.json (the v2repeat stage: the same on V2, with end-to-end runs).
+v2repeat/r*/step_bench.json (the v2repeat stage: the same on V2, with end-to-end runs;
+gdn_device.sh's e2e stage writes the same as e2e/r*/step_bench.json).
 """
 
 from __future__ import annotations
@@ -112,6 +113,42 @@ def e2e_repeat_table(runs: list) -> str:
             row = " | ".join(f"{fmt(t, 0)} ({fmt(q)})" for t, q in zip(tps, ratios))
             out.append(f"| {k} | {cell} | {row} | {fmt(_median(tps), 0)} | "
                        f"{fmt(_median(ratios))} |")
+    return "\n".join(out)
+
+
+def after_first_step(e: dict, n: int) -> float | None:
+    """Tokens/s of an e2e cell with its first step left out (its timeline's first entry:
+    the prefill and the first draft; the n requests' first tokens go with it)."""
+    t = e.get("timeline") or []
+    first = (t[0][3] or 0) / 1e3 if t else None
+    if first is None or e["seconds"] - first <= 0:
+        return None
+    return (e["tokens"] - n) / (e["seconds"] - first)
+
+
+def e2e_steady_table(runs: list) -> str:
+    """The e2e ratios with each cell's first step left out of both engines (tokens after
+    it over time after it): where a short cell's first step, which varies between
+    rounds, decides the ratio (run 19: p90, 128 tokens a request)."""
+    base = _base(runs)
+    names = sorted({k for r in runs for k in r if r[k].get("e2e") and k != base})
+    cells = sorted({c for r in runs for k in names for c in r.get(k, {}).get("e2e", {})},
+                   key=lambda c: (c.rsplit("_N", 1)[0], int(c.rsplit("_N", 1)[1])))
+    out = ["| config | cell | " + " | ".join(f"round {i + 1} / chain" for i in range(len(runs)))
+           + " | median |", "| --- | --- |" + " ---: |" * (len(runs) + 1)]
+    for k in names:
+        for cell in cells:
+            n = int(cell.rsplit("_N", 1)[1])
+            ratios = []
+            for r in runs:
+                e = r.get(k, {}).get("e2e", {}).get(cell)
+                c = r.get(base, {}).get("e2e", {}).get(cell)
+                a = after_first_step(e, n) if e else None
+                b = after_first_step(c, n) if c else None
+                ratios.append(a / b if a and b else None)
+            if any(ratios):
+                out.append(f"| {k} | {cell} | " + " | ".join(fmt(q, 3) for q in ratios)
+                           + f" | {fmt(_median(ratios), 3)} |")
     return "\n".join(out)
 
 
@@ -387,15 +424,19 @@ def report(d, plot_dir=None):
     if rep:
         print("\n### Repeated step time (fresh process per config and round)\n")
         print(repeat_table([load(os.path.join(d, "repeat"), f) for f in rep]))
-    v2 = os.path.join(d, "v2repeat")
+    # v2repeat/r*/ (run_all.sh's stage) or e2e/r*/ (gdn_device.sh's e2e stage)
+    v2 = next((os.path.join(d, x) for x in ("v2repeat", "e2e")
+               if os.path.isdir(os.path.join(d, x))), None)
     rounds = [load(os.path.join(v2, r), "step_bench.json")
-              for r in sorted(os.listdir(v2))] if os.path.isdir(v2) else []
+              for r in sorted(os.listdir(v2))] if v2 else []
     rounds = [r for r in rounds if r]
     if rounds:
         print("\n### V2, repeated (fresh process per config and round): step time\n")
         print(repeat_table(rounds))
         print("\n### V2, repeated: end to end\n")
         print(e2e_repeat_table(rounds))
+        print("\n### V2, repeated: end to end without each cell's first step\n")
+        print(e2e_steady_table(rounds))
         print("\n### V2, repeated: the tree-vs-chain choice per cell\n")
         print(arms_table(rounds))
         print("\n### V2, repeated: where a cell's time went (step timeline)\n")

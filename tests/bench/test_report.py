@@ -3,6 +3,8 @@ rounds, each round's ratio to the same round's chain, and the medians."""
 
 from types import SimpleNamespace
 
+import pytest
+
 from .conftest import load_bench
 
 
@@ -80,3 +82,25 @@ def test_the_timeline_shows_what_switches_and_first_steps_cost():
     assert rows == ["| 1 | ddtree64autoasync | p80_N1 | 5 / 3 | 8.00 / 7.00 | 7.20 | "
                     "10.00 / 9.00 (1 / 1) | 9.33 | 8.0 (11.6) |"]
     assert r.timeline_stats([[1, 11, None, 3.0]]) is None
+
+
+def test_the_steady_table_leaves_each_cells_first_step_out():
+    """tokens after the first step over the time after it, per round and engine: a slow
+    first step (prefill) that decides a short cell's ratio drops out."""
+    r = _report()
+
+    def cell(seconds, first_ms, tokens=128):
+        return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+                "timeline": [[1, 512, None, first_ms], [1, 16, 15, 30.0]]}
+
+    def rnd(chain, tree):
+        return {"chain15async": {"e2e": {"p90_N1": chain}},
+                "ddtree16autoasync": {"e2e": {"p90_N1": tree}}}
+
+    # same steady time (0.6 s after the first step), the tree's first step 60 ms slower
+    runs = [rnd(cell(0.74, 140.0), cell(0.80, 200.0)) for _ in range(3)]
+    assert r.e2e_repeat_table(runs).splitlines()[-1].endswith("| 0.93 |")
+    row = r.e2e_steady_table(runs).splitlines()[-1]
+    assert row == "| ddtree16autoasync | p90_N1 | 1.000 | 1.000 | 1.000 | 1.000 |"
+    assert r.after_first_step(cell(0.74, 140.0), 1) == pytest.approx((128 - 1) / 0.6)
+    assert r.after_first_step({"tokens": 1, "seconds": 0.1, "timeline": []}, 1) is None
