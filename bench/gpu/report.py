@@ -90,13 +90,18 @@ def repeat_table(runs: list) -> str:
     return "\n".join(out)
 
 
+def _e2e_cells(runs: list, names) -> list:
+    """The e2e cells (``<profile>_N<requests>``) the configs ran, by profile then batch."""
+    return sorted({c for r in runs for k in names for c in r.get(k, {}).get("e2e", {})},
+                  key=lambda c: (c.rsplit("_N", 1)[0], int(c.rsplit("_N", 1)[1])))
+
+
 def e2e_repeat_table(runs: list) -> str:
     """Rounds of fresh processes, end to end: tokens/s per config, profile and batch,
     each round's ratio to the same round's chain, and the medians."""
     base = _base(runs)
     names = sorted({k for r in runs for k in r if r[k].get("e2e")})
-    cells = sorted({c for r in runs for k in names for c in r.get(k, {}).get("e2e", {})},
-                   key=lambda c: (c.rsplit("_N", 1)[0], int(c.rsplit("_N", 1)[1])))
+    cells = _e2e_cells(runs, names)
     out = ["| config | cell | " + " | ".join(f"round {i + 1} tok/s (/ chain)"
                                             for i in range(len(runs)))
            + " | median tok/s | median ratio |", "| --- | --- |" + " ---: |" * (len(runs) + 2)]
@@ -132,8 +137,7 @@ def e2e_steady_table(runs: list) -> str:
     rounds, decides the ratio (run 19: p90, 128 tokens a request)."""
     base = _base(runs)
     names = sorted({k for r in runs for k in r if r[k].get("e2e") and k != base})
-    cells = sorted({c for r in runs for k in names for c in r.get(k, {}).get("e2e", {})},
-                   key=lambda c: (c.rsplit("_N", 1)[0], int(c.rsplit("_N", 1)[1])))
+    cells = _e2e_cells(runs, names)
     out = ["| config | cell | " + " | ".join(f"round {i + 1} / chain" for i in range(len(runs)))
            + " | median |", "| --- | --- |" + " ---: |" * (len(runs) + 1)]
     for k in names:
