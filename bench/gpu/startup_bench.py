@@ -84,9 +84,10 @@ def run(out: str, cfg: str, seqs: int, timeout: float, cache_root: str) -> dict:
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", cfg, str(seqs)],
                            env=env, capture_output=True, text=True, timeout=timeout)
         text, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        text, rc = (e.stdout or "") + (e.stderr or ""), "timeout"
-        text = text.decode() if isinstance(text, bytes) else text
+    except subprocess.TimeoutExpired as e:  # its output may be bytes despite text=True
+        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                       for x in (e.stdout, e.stderr))
+        rc = "timeout"
     with open(os.path.join(out, f"log_{cfg}_{seqs}_{int(time.time())}.txt"), "w") as f:
         f.write(text)
     m = re.search(r"STARTUP (\{.*\})", text)

@@ -47,3 +47,20 @@ def test_compiled_counts_cubins_by_kernel(tmp_path):
         (tmp_path / d / f"{name}.json").write_text("{}")
     assert S.compiled(str(tmp_path)) == {"_verify_kernel": 2, "_walk": 1}
     assert S.compiled(str(tmp_path / "missing")) == {}
+
+
+def test_a_child_past_its_timeout_is_recorded_not_raised(tmp_path, monkeypatch):
+    """subprocess.TimeoutExpired carries bytes (even with text=True) or None: the
+    record says "timeout", with what the child printed, and the run goes on."""
+    import subprocess
+
+    S = load_bench("startup_bench")
+
+    def late(*a, **k):
+        raise subprocess.TimeoutExpired(a[0], 1, output=b"Graph capturing finished in 3 "
+                                        b"secs, took 0.5 GiB\n", stderr=None)
+
+    monkeypatch.setattr(S.subprocess, "run", late)
+    rec = S.run(str(tmp_path), "ddtree64autoasync", 8, 1, str(tmp_path / "cache"))
+    assert rec["rc"] == "timeout" and rec["start_s"] is None and rec["captures"] == 1
+    assert rec["cache"] == "cold" and rec["compiled_total"] == 0
