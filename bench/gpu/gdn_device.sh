@@ -32,6 +32,15 @@
 # tree step of 16 rows, the chain's own M: run 19's tree step of 17 rows cost 0.7 ms
 # more than its chain step at 1 request); startup (#29: STARTUP_FRESH=1
 # STARTUP_SEQS=1,8 then 64 then 256, rounds spread over calls).
+# Run 20 (H100) did b1; install apply fp32ieee (the grammar row died: the bundle lacks
+# lm-format-enforcer, which 0.33 imports to validate any structured request; .whl now
+# carries it: bench/gpu/make_whl.sh); fp32; startup x2; e2e round 1 at 256 tokens.
+# Next: b1 (after `bash bench/gpu/make_whl.sh`); install apply (VERIFY=0) fp32ieee
+# (EQ rows are quick: the grammar row is what is new); profile with PROFILE_FIRST=1
+# PROFILE_CONFIGS="dflash ddtree16" (run 20: DDTree's first step 186 vs 160 ms on average,
+# what keeps p90 at 1-2 requests under 1.00); e2e rounds 2-3 at 256 tokens
+# (BENCH_E2E_NEW=256 E2E_BATCHES=1,2,4 E2E_CONFIGS="chain15async ddtree15autoasync
+# ddtree16autoasync ddtree16async": the fixed tree too, for the choice's 2 % target).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -99,8 +108,11 @@ for s in ${STAGES:-install apply tests eq}; do
     profile)  # where a step's time goes: torch profiler, 27B shape, 1 request (PROFILE_CONFIGS)
       for cfg in ${PROFILE_CONFIGS:-ddtreechain dflash ddtree16}; do
         stamp profile $cfg
+        # PROFILE_FIRST=1: a request's first steps (gdn_profile.py --first)
+        f=$([ "${PROFILE_FIRST:-0}" = 1 ] && echo _first)
         timeout $(left ${T_PROFILE:-200}) python3 bench/gpu/gdn_profile.py "$OUT/profile" $cfg \
-          > "$OUT/profile_$cfg.log" 2>&1; echo "rc=$?"; head -c 1500 "$OUT/profile/profile_$cfg.txt"
+          ${f:+--first} > "$OUT/profile_$cfg$f.log" 2>&1; echo "rc=$?"
+        head -c 1500 "$OUT/profile/profile_$cfg$f.txt"
       done ;;
     fp32)  # issue 28: the tiny dense Qwen3 fp32 equality rows, V1 (equality.py, EQ_TAGS
       # fp32_triton: graphs + eager) and V2 (equality_v2.py, FULL graphs, TRITON_ATTN, the
