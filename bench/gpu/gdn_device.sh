@@ -12,7 +12,8 @@
 # (gdn_profile.py, PROFILE_CONFIGS), fp32 (issue 28's tiny dense fp32 rows, V1 + V2),
 # fp32ieee (the V2 rows with Triton's fp32 dots in IEEE),
 # bench (GDN layer: tree vs chain), step (27B-shape
-# step, STEP_CONFIGS one process each), startup (engine start-up, #29), e2e (27B-shape step phases and end-to-end
+# step, STEP_CONFIGS one process each), startup (engine start-up, #29), grammar (host cost of
+# structured-output masks, #32), e2e (27B-shape step phases and end-to-end
 # tokens/s, step_bench.py; not run yet).  VERIFY=0: apply without `verify`.
 # Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows.
 # A fresh machine compiles vLLM's Triton kernels at its first engine start (~150 s for
@@ -40,7 +41,8 @@
 # PROFILE_CONFIGS="dflash ddtree16" (run 20: DDTree's first step 186 vs 160 ms on average,
 # what keeps p90 at 1-2 requests under 1.00); e2e rounds 2-3 at 256 tokens
 # (BENCH_E2E_NEW=256 E2E_BATCHES=1,2,4 E2E_CONFIGS="chain15async ddtree15autoasync
-# ddtree16autoasync ddtree16async": the fixed tree too, for the choice's 2 % target).
+# ddtree16autoasync ddtree16async": the fixed tree too, for the choice's 2 % target);
+# grammar (the mask cost with the serving box's 16 CPUs: xgrammar's batch fill on 8 threads).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -141,6 +143,12 @@ for s in ${STAGES:-install apply tests eq}; do
         --seqs "${STARTUP_SEQS:-1,8,64,256}" --rounds ${STARTUP_ROUNDS:-1} \
         $([ "${STARTUP_FRESH:-0}" = 1 ] && echo --fresh) > "$OUT/startup.txt" 2>&1; echo "rc=$?"
       grep -vE "^(INFO|WARNING|DEBUG)" "$OUT/startup.txt" | tail -14 ;;
+    grammar)  # #32: the host cost of structured-output masks per step, chain vs tree,
+      # one fill at a time vs xgrammar's batch fill (bench/grammar_bench.py; no GPU use)
+      stamp grammar
+      timeout $(left ${T_GRAMMAR:-240}) python3 bench/grammar_bench.py --threads "${GRAMMAR_THREADS:-1,8}" \
+        --json "$OUT/grammar_bench.json" > "$OUT/grammar_bench.txt" 2>&1; echo "rc=$?"
+      grep "^|\|setup" "$OUT/grammar_bench.txt" | tail -30 ;;
     e2e)  # the 27B shape end to end (step_bench.py, BENCH_SHAPE=qwen36_27b): step phases,
       # then tokens/s with the calibrated synthetic drafter; alternating fresh processes,
       # E2E_ROUNDS round ids (spread rounds over calls), E2E_CONFIGS step_bench configs

@@ -17,7 +17,8 @@ path:
             grammar_kept, grammar_pruned (trees pruned past their first cut).
   bitmask   lets vLLM fill each request's root row (the drafts passed as padding: it
             neither advances the grammar nor logs), then fills the node rows depth
-            first: accept the node's token, fill its row, visit its children, roll back.
+            first: accept the node's token, fill its row (or fork the matcher there and
+            fill all rows at once on xgrammar's threads), visit its children, roll back.
 
 A request's tree comes from the V1 runtime of this process (DDTreeConfig.channel.runtime
 .tree_of(req_id): the tokens and parents it last proposed), else from the drafts
@@ -185,13 +186,10 @@ def bitmask(manager, requests, request_ids, scheduled):
 def _fill_tree(manager, request, tokens: list[int], mask, root: int,
                as_chain: bool = False) -> None:
     """Rows root + 1 + j (node j) of a request validate() passed: each the grammar's
-    mask after node j's path; a node the grammar does not take (its path reaches a
-    terminated grammar) gets its parent's row: it cannot be accepted, and its row
-    only has to be a valid mask."""
+    mask after node j's path (fill_rows)."""
     from vllm.v1.structured_output.utils import strip_speculative_padding
 
     tokens = list(strip_speculative_padding(tokens))
-    grammar = request.structured_output_request.grammar
     parents = list(range(-1, len(tokens) - 1)) if as_chain else \
         _parents(manager, request, tokens)
     if parents is None:  # validate() lets no such drafts through
@@ -199,14 +197,53 @@ def _fill_tree(manager, request, tokens: list[int], mask, root: int,
             f"DDTree: request {request.request_id} has {len(tokens)} drafts under a "
             "grammar but no tree of them in this process (validate_tokens was "
             "bypassed); please report this as a bug")
+    if not hasattr(manager, "_ddtree_filler"):
+        manager._ddtree_filler = batch_filler()
+    fill_rows(request.structured_output_request.grammar, request.request_id, tokens,
+              parents, mask, root, manager._ddtree_filler)
+
+
+def batch_filler(threads: int | None = None):
+    """xgrammar's BatchGrammarMatcher with vLLM's thread count for mask filling (half
+    the CPUs, at most 8), or None where xgrammar lacks it."""
+    try:
+        import xgrammar as xgr
+
+        if threads is None:
+            import multiprocessing
+
+            threads = max(1, min(multiprocessing.cpu_count() // 2, 8))
+        return xgr.BatchGrammarMatcher(max_threads=threads)
+    except Exception:  # noqa: BLE001  (no xgrammar, or an older one: fill one by one)
+        return None
+
+
+def fill_rows(grammar, req_id: str, tokens: list[int], parents: list[int], mask,
+              root: int, filler=None) -> None:
+    """Row root + 1 + j := the grammar's mask after node j's path.  The fills are a
+    tree's host cost (one per node where a chain has one per draft: run 21's
+    grammar_bench), so with vLLM's xgrammar grammar (``.matcher.fork``) and a
+    BatchGrammarMatcher ``filler`` the walk only forks a matcher at each node and the
+    filler fills all rows at once on its threads (the same masks); otherwise one fill
+    per node during the walk.  A node the grammar does not take (its path reaches a
+    terminated grammar) gets its parent's row: it cannot be accepted, and its row only
+    has to be a valid mask."""
+    matcher = getattr(grammar, "matcher", None)
+    forks, rows = [], []
+    batched = filler is not None and hasattr(matcher, "fork")
 
     def fill(j):
         if grammar.is_terminated():
             mask[root + 1 + j].fill_(-1)
+        elif batched:
+            forks.append(matcher.fork())
+            rows.append(root + 1 + j)
         else:
             grammar.fill_bitmask(mask, root + 1 + j)
 
-    ok = walk(grammar, request.request_id, tokens, parents, fill)
+    ok = walk(grammar, req_id, tokens, parents, fill)
+    if forks:
+        filler.batch_fill_next_token_bitmask(forks, mask, rows)
     for j, good in enumerate(ok):  # parents come first: their rows are final
         if not good:
             mask[root + 1 + j].copy_(mask[root + 1 + parents[j]] if parents[j] >= 0
