@@ -85,7 +85,14 @@ def _main() -> None:
                     trees.append((path + [stop, path[0], stop, setup.others[pos][0]],
                                   list(range(-1, d)) + [d, d, d - 1]))
                     break
-            for tokens, parents in trees:
+            width = 1 + max(len(t) for t, _ in trees)
+            together = xgr.allocate_token_bitmask(width * len(trees), setup.vocab_size)
+            rows = gm.TreeRows(fillers[2])  # all trees in one batch fill, as bitmask()
+            for k, (tokens, parents) in enumerate(trees):
+                g.fill_bitmask(together, k * width)
+                rows.add(g, "r", tokens, parents, together, k * width)
+            rows.finish(together)
+            for k, (tokens, parents) in enumerate(trees):
                 ok = gm.walk(g, "r", tokens, parents)
                 refused += ok.count(False)
                 masks = {}
@@ -100,6 +107,8 @@ def _main() -> None:
                 assert torch.equal(masks["one"], masks["b1"]), (kind, tokens, parents)
                 assert torch.equal(masks["one"], masks["b2"]), (kind, tokens, parents)
                 assert not (masks["one"] == 7).all(1).any(), "a row was left unwritten"
+                n = 1 + len(tokens)
+                assert torch.equal(together[k * width: k * width + n], masks["one"]), k
                 for j, t in enumerate(tokens):  # rows after an accepted stop: all allowed
                     if ok[j] and t == stop:
                         assert (masks["one"][1 + j] == -1).all()

@@ -174,19 +174,23 @@ def bitmask(manager, requests, request_ids, scheduled):
     # 1 + len(drafts) rows per request
     blocks = hasattr(manager, "_masked_reasoning_ends")
     stride = manager.vllm_config.num_speculative_tokens + 1
+    if not hasattr(manager, "_ddtree_filler"):
+        manager._ddtree_filler = batch_filler()
+    rows = TreeRows(manager._ddtree_filler)  # every request's rows in one batch fill
     row = 0
     for i, rid in enumerate(request_ids):
         start = i * stride if blocks else row
         row += len(scheduled.get(rid) or ()) + 1
         if rid in trees:
-            _fill_tree(manager, requests[rid], trees[rid], mask, start, as_chain)
+            _fill_tree(manager, requests[rid], trees[rid], mask, start, as_chain, rows)
+    rows.finish(mask)
     return out
 
 
-def _fill_tree(manager, request, tokens: list[int], mask, root: int,
-               as_chain: bool = False) -> None:
+def _fill_tree(manager, request, tokens: list[int], mask, root: int, as_chain: bool,
+               rows: "TreeRows") -> None:
     """Rows root + 1 + j (node j) of a request validate() passed: each the grammar's
-    mask after node j's path (fill_rows)."""
+    mask after node j's path (TreeRows.add; filled by ``rows.finish``)."""
     from vllm.v1.structured_output.utils import strip_speculative_padding
 
     tokens = list(strip_speculative_padding(tokens))
@@ -197,10 +201,8 @@ def _fill_tree(manager, request, tokens: list[int], mask, root: int,
             f"DDTree: request {request.request_id} has {len(tokens)} drafts under a "
             "grammar but no tree of them in this process (validate_tokens was "
             "bypassed); please report this as a bug")
-    if not hasattr(manager, "_ddtree_filler"):
-        manager._ddtree_filler = batch_filler()
-    fill_rows(request.structured_output_request.grammar, request.request_id, tokens,
-              parents, mask, root, manager._ddtree_filler)
+    rows.add(request.structured_output_request.grammar, request.request_id, tokens,
+             parents, mask, root)
 
 
 def batch_filler(threads: int | None = None):
@@ -218,33 +220,50 @@ def batch_filler(threads: int | None = None):
         return None
 
 
+class TreeRows:
+    """The grammar mask rows of one or more trees.  Row root + 1 + j := the grammar's
+    mask after node j's path.  The fills are a tree's host cost (one per node where a
+    chain has one per draft: bench/grammar_bench.py), so with vLLM's xgrammar grammar
+    (``.matcher.fork``) and a BatchGrammarMatcher ``filler``, ``add`` walks each tree
+    forking the matcher at every node and ``finish`` fills all trees' rows at once on
+    the filler's threads (the same masks); otherwise ``add`` fills one row per node
+    during its walk.  A node the grammar does not take (its path reaches a terminated
+    grammar) gets its parent's row at ``finish``: it cannot be accepted, and its row
+    only has to be a valid mask."""
+
+    def __init__(self, filler=None):
+        self.filler, self.forks, self.rows, self.refused = filler, [], [], []
+
+    def add(self, grammar, req_id: str, tokens: list[int], parents: list[int], mask,
+            root: int) -> None:
+        matcher = getattr(grammar, "matcher", None)
+        batched = self.filler is not None and hasattr(matcher, "fork")
+
+        def fill(j):
+            if grammar.is_terminated():
+                mask[root + 1 + j].fill_(-1)
+            elif batched:
+                self.forks.append(matcher.fork())
+                self.rows.append(root + 1 + j)
+            else:
+                grammar.fill_bitmask(mask, root + 1 + j)
+
+        ok = walk(grammar, req_id, tokens, parents, fill)
+        # parents come first: their rows are final when these are copied
+        self.refused += [(root + 1 + j, root + 1 + parents[j] if parents[j] >= 0 else root)
+                         for j, good in enumerate(ok) if not good]
+
+    def finish(self, mask) -> None:
+        if self.forks:
+            self.filler.batch_fill_next_token_bitmask(self.forks, mask, self.rows)
+        for dst, src in self.refused:
+            mask[dst].copy_(mask[src])
+        self.forks, self.rows, self.refused = [], [], []
+
+
 def fill_rows(grammar, req_id: str, tokens: list[int], parents: list[int], mask,
               root: int, filler=None) -> None:
-    """Row root + 1 + j := the grammar's mask after node j's path.  The fills are a
-    tree's host cost (one per node where a chain has one per draft: run 21's
-    grammar_bench), so with vLLM's xgrammar grammar (``.matcher.fork``) and a
-    BatchGrammarMatcher ``filler`` the walk only forks a matcher at each node and the
-    filler fills all rows at once on its threads (the same masks); otherwise one fill
-    per node during the walk.  A node the grammar does not take (its path reaches a
-    terminated grammar) gets its parent's row: it cannot be accepted, and its row only
-    has to be a valid mask."""
-    matcher = getattr(grammar, "matcher", None)
-    forks, rows = [], []
-    batched = filler is not None and hasattr(matcher, "fork")
-
-    def fill(j):
-        if grammar.is_terminated():
-            mask[root + 1 + j].fill_(-1)
-        elif batched:
-            forks.append(matcher.fork())
-            rows.append(root + 1 + j)
-        else:
-            grammar.fill_bitmask(mask, root + 1 + j)
-
-    ok = walk(grammar, req_id, tokens, parents, fill)
-    if forks:
-        filler.batch_fill_next_token_bitmask(forks, mask, rows)
-    for j, good in enumerate(ok):  # parents come first: their rows are final
-        if not good:
-            mask[root + 1 + j].copy_(mask[root + 1 + parents[j]] if parents[j] >= 0
-                                     else mask[root])
+    """One tree's rows (TreeRows)."""
+    rows = TreeRows(filler)
+    rows.add(grammar, req_id, tokens, parents, mask, root)
+    rows.finish(mask)
