@@ -10,7 +10,7 @@ box). Masks are host work: vLLM's scheduler fills one bitmask row per verified p
 ``XgrammarGrammar`` around an xgrammar ``GrammarMatcher`` (``max_rollback_tokens`` as
 vLLM sets it), the payload's code the scheduler hooks run (``payload/v1/grammar.py``:
 ``validate`` walks the tree once without filling, ``bitmask`` fills the root row and then
-every node's row with ``fill_rows``: one fill at a time during the walk, or matchers
+every node's row with ``TreeRows``: one fill at a time during the walk, or matchers
 forked during the walk and filled at once by xgrammar's BatchGrammarMatcher on T
 threads, the engine's path where xgrammar has it), DDTree trees from Algorithm 1
 (``reference/heap.py``). The chain is vLLM's loop: validate the drafts, then fill,
@@ -184,10 +184,12 @@ def chain_step(grammar, tokens, mask):
 
 def tree_step(gm, grammar, tokens, parents, mask, filler):
     """DDTree's hooks: validate (a walk), the root's row, then every node's row
-    (payload/v1/grammar.py: fill_rows; ``filler``: xgrammar's batch filler or None)."""
+    (payload/v1/grammar.py: TreeRows; ``filler``: xgrammar's batch filler or None)."""
     ok = gm.walk(grammar, "r", tokens, parents)
     grammar.fill_bitmask(mask, 0)
-    gm.fill_rows(grammar, "r", tokens, parents, mask, 0, filler)
+    rows = gm.TreeRows(filler)
+    rows.add(grammar, "r", tokens, parents, mask, 0)
+    rows.finish(mask)
     return 1 + sum(ok)
 
 

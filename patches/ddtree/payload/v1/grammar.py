@@ -259,11 +259,3 @@ class TreeRows:
         for dst, src in self.refused:
             mask[dst].copy_(mask[src])
         self.forks, self.rows, self.refused = [], [], []
-
-
-def fill_rows(grammar, req_id: str, tokens: list[int], parents: list[int], mask,
-              root: int, filler=None) -> None:
-    """One tree's rows (TreeRows)."""
-    rows = TreeRows(filler)
-    rows.add(grammar, req_id, tokens, parents, mask, root)
-    rows.finish(mask)
