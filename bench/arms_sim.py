@@ -3,14 +3,18 @@ the real tree build and walk: tokens/s of the choice vs always the chain and vs 
 faster arm (each on the same rows), for short and long runs, at measured step times.
 Prints a table.
 
-    python bench/arms_sim.py                      # run 12's step times, 1 and 2 requests
+    python bench/arms_sim.py                      # runs 12 and 21's step times
     python bench/arms_sim.py --tree-ms 9 --chain-ms 7 --seeds 24
+    python bench/arms_sim.py --tree-ms 30.3 --chain-ms 29.7 --budget 16
+    python bench/arms_sim.py --min-rows 1      # the chain may lead from the first rows
     python bench/arms_sim.py --switch-ms 5     # a switch of arms costs 5 ms more
     python bench/arms_sim.py --z 2             # the tree leads past 2 standard errors
 
 Each profile is a calibrated synthetic drafter (the true token at a rank drawn from the
-profile; tests/gpu/test_arms.py's _tree_step) with L = 15, C = 15 and DDTree's V2
-default tree: B = 64 at 1 request, 32 at 2.  A step of
+profile; tests/gpu/test_arms.py's _tree_step) with L = 15, C = 15 and the tree of
+each row of STEP_MS (the 8B shape: DDTree's V2 default, B = 64 at 1 request, 32 at 2;
+the 27B shape: B = 16 next to the chain of 15).  Cells of 35, 55 and 95 steps are the
+GPU end-to-end cells' lengths at 256 tokens (p90, p80, p60).  A step of
 the simulated engine verifies the arm the lookup chose one step earlier (async
 scheduling), takes that arm's time (+-2 %) and emits its real accepted length; a tree
 step feeds the worker half (both arms' counts) one row per request.  Speed here is
@@ -39,9 +43,11 @@ channel = payload_module("sched.channel")
 L, V, B, C = 15, 2000, 64, 15
 PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
             "p90": [0.9, 0.05, 0.02], "weak": [0.3, 0.1]}
-# H200, run 12 (bench/RESULTS.md): ms per step (timeline medians), tree / chain of 15,
-# and the tree's budget at that batch size, V2, 0.33.0
-STEP_MS = {1: (8.33, 6.98, 64), 2: (8.5, 7.18, 32)}
+# ms per step (timeline medians), tree / chain of 15, the tree's budget, requests; V2,
+# 0.33.0 (bench/RESULTS.md): 8B shape on the H200 (run 12), 27B shape on the H100
+# (run 21, ddtree16autoasync's steady steps)
+STEP_MS = {"8B, 1": (8.33, 6.98, 64, 1), "8B, 2": (8.5, 7.18, 32, 2),
+           "27B, 1": (30.3, 29.7, 16, 1)}
 
 
 def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None,
@@ -86,21 +92,27 @@ def main() -> None:
     ap.add_argument("--tree-ms", type=float)
     ap.add_argument("--chain-ms", type=float)
     ap.add_argument("--seeds", type=int, default=12)
-    ap.add_argument("--steps", default="40,80,400")
+    ap.add_argument("--steps", default="35,55,95,400")
     ap.add_argument("--switch-ms", type=float, default=0.0,
                     help="added to a step whose arm differs from the step before's")
+    ap.add_argument("--budget", type=int, default=B,
+                    help="the tree's budget with --tree-ms / --chain-ms (default 64)")
     ap.add_argument("--z", type=float, default=arms.Z,
-                    help="the tree leads where its edge exceeds this many standard errors")
+                    help="the chain leads where it leads by this many standard errors")
+    ap.add_argument("--min-rows", type=int, default=arms.MIN_ROWS,
+                    help="and only once this many paired rows are in")
     a = ap.parse_args()
-    arms.Z = a.z
-    times = {"given": (a.tree_ms, a.chain_ms, B)} if a.tree_ms and a.chain_ms else STEP_MS
+    arms.Z, arms.MIN_ROWS = a.z, a.min_rows
+    times = {"given": (a.tree_ms, a.chain_ms, a.budget, 1)} if a.tree_ms and a.chain_ms \
+        else STEP_MS
     lens = [int(x) for x in a.steps.split(",")]
     pools = {(b, p): _tree_step(3, 1500, L, V, b, probs)
              for b in sorted({t[2] for t in times.values()}) for p, probs in PROFILES.items()}
-    print("| requests | B | ms tree / chain | profile | tree / chain (always) | "
+    print(f"Z = {arms.Z}, MIN_ROWS = {arms.MIN_ROWS}, {a.seeds} seeds")
+    print("| shape, requests | B | ms tree / chain | profile | tree / chain (always) | "
           + " | ".join(f"{s} steps: / chain, / faster, tree share" for s in lens) + " |")
     print("| --- | ---: | --- | --- | ---: |" + " ---: |" * len(lens))
-    for n, (mt, mc, b) in times.items():
+    for n, (mt, mc, b, r) in times.items():
         for p in PROFILES:
             pool = pools[(b, p)]
             walk, hits = pool[3], pool[4]
@@ -110,7 +122,6 @@ def main() -> None:
             for s in lens:  # each seed: the same rows for the choice and both arms
                 got, chain, best, share = [], [], [], []
                 for seed in range(a.seeds):
-                    r = n if isinstance(n, int) else 1
                     g, sh = play(pool, s, seed, mt, mc, switch_ms=a.switch_ms, reqs=r, B=b)
                     c = play(pool, s, seed, mt, mc, fixed=C, reqs=r, B=b)[0]
                     t = play(pool, s, seed, mt, mc, fixed=b, reqs=r, B=b)[0]

@@ -19,16 +19,19 @@ steps (paired.py: the chain's accepted length is read off the tree step's output
 through the engine's ArmChannel (channel.py: expected); elsewhere (TP > 1) the
 measured tokens stand in.  The verify width is fixed a step
 ahead (async scheduling), so the choice is per batch size, not per step as on V1
-(core/budget.py).  Where both counts are published, the tree leads only while its
-edge over the chain exceeds Z standard errors of the paired estimate (spread): the
-chain is the safe side of a close call (H200, run 10: p80 at two requests, the tree
-picked on an edge within its noise ran 0.89-0.91x the chain).  Else (measured tokens)
-the other arm must beat the leader by MARGIN.  The first steps of each arm
+(core/budget.py).  Where both counts are published, the chain leads only once MIN_ROWS
+paired rows are in and the tree trails it by more than Z standard errors (spread):
+only a tree step adds rows, so a close call goes to the tree, which settles it, and a
+chain picked on a few rows would hold until its next exploration (run 21, H100, 27B
+shape: after 3 rows the chain led and held 16-20 steps of a p60 cell where the fixed
+tree ran 1.06x the choice; bench/arms_sim.py reproduced it, 0.947 of the faster arm,
+and gives 0.985 with this rule).  Else (measured tokens) the other arm must beat the
+leader by MARGIN.  The first steps of each arm
 calibrate (MIN_STEPS; MIN_PAIRED with paired counts, where the tree's steps give the
 chain's tokens too); after that, a choice holds WINDOW steps, and every EXPLORE-th
 choice (4 x EXPLORE once both arms have WELL steps and one is clearly ahead: by 2 Z
-standard errors, or by CLEAR on measured tokens; EXPLORE / 4 while the tree may lead
-but not clearly) plays the other arm.  A step time is the median of an arm's last
+standard errors, or by CLEAR on measured tokens; EXPLORE / 4 while the chain leads by
+less than 2 Z) plays the other arm.  A step time is the median of an arm's last
 RECENT steps, the first step after a switch left out (H200, run 8: at one request the
 tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of another run 7.9
 ms; the cause was not found).  That first step's excess over the new arm's median is
@@ -59,7 +62,8 @@ RECENT = 16  # step times kept per arm
 DECAY = 0.97  # weight of older steps, per step of the same arm
 MARGIN = 1.02  # measured tokens: the other arm must beat the leader by 2 % to lead
 SWITCH_SHARE = 0.1  # a choice holds long enough that a measured switch costs <= 10 %
-Z = 1.0  # published counts: the tree leads only where its edge exceeds Z std errors
+Z = 1.0  # published counts: the chain leads only where it leads by Z std errors
+MIN_ROWS = 8  # and only once this many paired rows (request-steps of the tree) are in
 LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
 
 
@@ -151,8 +155,10 @@ class ArmLookup(list):
             lead = self.leader[n]
             other = chain if lead == tree else tree
             edge = self.edge(n)
-            if edge is not None:  # paired counts: the tree only where it clearly leads
-                lead, other = (tree, chain) if edge > Z else (chain, tree)
+            if edge is not None and self.channel.spread[n][3] < MIN_ROWS:
+                edge = 0.0  # too few paired rows to tell: the tree, which adds rows
+            if edge is not None:  # paired counts: the chain only where it clearly leads
+                lead, other = (tree, chain) if edge > -Z else (chain, tree)
             elif rate[other] > MARGIN * rate[lead]:
                 lead, other = other, lead
             self.leader[n] = best = lead
@@ -161,7 +167,7 @@ class ArmLookup(list):
             clear = abs(edge) > 2 * Z if edge is not None else \
                 lo > 0 and max(rate.values()) > CLEAR * lo
             period = self.explore * (4 if known and clear else 1)
-            if edge is not None and 0 < edge <= Z:  # the tree may lead: look again soon
+            if edge is not None and -2 * Z < edge <= -Z:  # the tree may lead: look soon
                 period = max(2, self.explore // 4)
             self.choices[n] += 1
             pick = other if self.choices[n] % period == 0 else best
