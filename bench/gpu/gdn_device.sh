@@ -43,6 +43,11 @@
 # (BENCH_E2E_NEW=256 E2E_BATCHES=1,2,4 E2E_CONFIGS="chain15async ddtree15autoasync
 # ddtree16autoasync ddtree16async": the fixed tree too, for the choice's 2 % target);
 # grammar (the mask cost with the serving box's 16 CPUs: xgrammar's batch fill on 8 threads).
+# Run 21 (H100) did all of that (grammar row 8/8; e2e rounds 2-3; startup round 2); the
+# choice changed after it (a close call goes to the tree).  Next: b1; install apply
+# (VERIFY=0); e2e rounds 1-3 at 256 tokens with E2E_CONFIGS="chain15async
+# ddtree16autoasync ddtree16async" (does the new choice come within 2 % of the fixed tree?),
+# then the 8B shape the same way (E2E_SHAPE=qwen3_8b: #29's own shape).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -155,7 +160,7 @@ for s in ${STAGES:-install apply tests eq}; do
       for i in ${E2E_ROUNDS:-1}; do
         for c in ${E2E_CONFIGS:-chain15async ddtree16autoasync ddtree16async}; do
           stamp e2e r$i $c
-          BENCH_SHAPE=qwen36_27b VLLM_USE_V2_MODEL_RUNNER=1 BENCH_BATCHES=${E2E_STEP:-1,2} \
+          BENCH_SHAPE=${E2E_SHAPE:-qwen36_27b} VLLM_USE_V2_MODEL_RUNNER=1 BENCH_BATCHES=${E2E_STEP:-1,2} \
             BENCH_E2E_BATCHES=${E2E_BATCHES:-1,2,4,16} BENCH_E2E_ALL=1 \
             timeout "$(left ${T_E2E:-300})" python3 bench/gpu/step_bench.py "$OUT/e2e/r$i" "$c" \
             > "$OUT/e2e_r${i}_$c.txt" 2>&1
