@@ -75,16 +75,29 @@ def v2(patched_env, tiny_models, make_tiny_models, engine_prompts, tmp_path_fact
     sampled = [rq.job("sampled", [SAMPLED_PROMPT],
                       {"temperature": 1.2, "max_tokens": 3, "n": SAMPLES,
                        "ignore_eos": True})]
+    # JSON schemas (#32): the default target's weights with a byte-level BPE tokenizer
+    jpair = make_tiny_models(target={"tokenizer": "bytes"})
+    json_llm = {"model": jpair["target"], "skip_tokenizer_init": False,
+                "structured_outputs_config": rq.JSON_CONFIG}
+    json_jobs = rq.json_jobs(lambda k: engine_prompts(LENGTHS[2:6], seed=40 + k))
     refs = _run(py, {"configs": [
         {"name": "nospec", "llm": target, "env": env, "jobs": jobs + [plain]},
         {"name": "small_nospec", "llm": {"model": small["target"]}, "env": env,
-         "jobs": sampled}]}, work, "v2_nospec")
+         "jobs": sampled},
+        {"name": "json_nospec", "llm": json_llm, "env": env, "jobs": json_jobs}]},
+        work, "v2_nospec")
     ref = refs["nospec"]
-    seqs = [p + t for j in jobs for p, t in zip(j["prompts"], ref["jobs"][j["name"]]
-                                                ["token_ids"])]
-    synth = work / "synthetic-mixed.json"
-    synth.write_text(json.dumps({"sequences": seqs, "rank_probs": [0.5, 0.3, 0.15],
-                                 "seed": 3, "peak": 4.0}))
+
+    def synthetic(name, run, job_list):
+        seqs = [p + t for j in job_list for p, t in zip(j["prompts"], run["jobs"][j["name"]]
+                                                        ["token_ids"])]
+        path = work / f"synthetic-{name}.json"
+        path.write_text(json.dumps({"sequences": seqs, "rank_probs": [0.5, 0.3, 0.15],
+                                    "seed": 3, "peak": 4.0}))
+        return path
+
+    synth = synthetic("mixed", ref, jobs)
+    json_synth = synthetic("json", refs["json_nospec"], json_jobs)
 
     def ddtree(name, **extra):
         sc = {"method": "ddtree", "model": tiny_models["drafter"],
@@ -101,11 +114,16 @@ def v2(patched_env, tiny_models, make_tiny_models, engine_prompts, tmp_path_fact
          "llm": {"model": small["target"], "speculative_config": {
              "method": "ddtree", "model": small["drafter"], "num_speculative_tokens": 8,
              "ddtree_chain_budget": 0}}},
+        {**ddtree("json_trees"), "jobs": json_jobs,
+         "llm": {**json_llm, "speculative_config": {
+             "method": "ddtree", "model": jpair["drafter"], "num_speculative_tokens": 8,
+             "ddtree_chain_budget": 0, "ddtree_synthetic": str(json_synth)}}},
     ]}, work, "v2_ddtree")
     stats = {n: json.loads((work / f"stats-{n}.json").read_text()) for n in got}
     got["small_nospec"] = refs["small_nospec"]
-    return {"ref": ref, "got": got, "stats": stats, "jobs": {j["name"]: j for j in jobs},
-            "plain": plain}
+    got["json_nospec"] = refs["json_nospec"]
+    return {"ref": ref, "got": got, "stats": stats,
+            "jobs": {j["name"]: j for j in jobs + json_jobs}, "plain": plain}
 
 
 EOS = 1  # the tiny target's eos
@@ -181,6 +199,27 @@ def test_v2_structured_outputs_equal_nospec(v2, name, job):
         assert rq.changed(v2["ref"], v2["jobs"][job], v2["jobs"]["structured_plain"]) >= 2
     if job != "structured_mixed":
         assert v2["got"][name]["jobs"][job]["metrics"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("job", ["json_schema", "json_mixed"])
+def test_v2_json_schema_equal_nospec(v2, job):
+    """JSON schemas (xgrammar, a byte-level BPE tokenizer) on the V2 runner: trees of 8
+    equal no-spec V2 token for token, every JSON answer complete and valid, the schema
+    changed the output; in the mixed batch a regex request and a penalised plain one next
+    to the JSON one are equal too.  The synthetic drafter drafts no-spec's continuations
+    at ranks 0-2, so accepted paths run deep through the grammar."""
+    ref = rq.outputs(v2["got"]["json_nospec"], job)
+    got = rq.outputs(v2["got"]["json_trees"], job)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
+    answers = got[:1] if job == "json_mixed" else got
+    assert all(o["finish_reason"] == "stop" and rq.json_valid(o["text"])
+               for o in answers), [o["text"] for o in answers]
+    if job == "json_schema":
+        jobs = v2["jobs"]
+        assert rq.changed(v2["got"]["json_nospec"], jobs[job], jobs["json_plain"]) >= 3
+    assert v2["got"]["json_trees"]["jobs"][job]["metrics"]["num_accepted_tokens"] > 0
+    s = v2["stats"]["json_trees"]
+    assert s["accepted_per_depth"].get(str(DEPTH), 0) > 0 and s.get("grammar_kept", 0) > 0, s
 
 
 def test_v2_grammar_cut_drafts_it_forbids(v2):
