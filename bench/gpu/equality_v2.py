@@ -67,7 +67,7 @@ import common as C  # noqa: E402  (sets the offline / in-process defaults)
 N_PROMPTS, MAX_TOKENS = 8, 48
 ROWS = ("nospec_again", "ddtree", "ddtree_swa", "ddtree_eager", "ddtree_sync", "ddtree_per_batch",
         "ddtree_chain", "ddtree_default", "ddtree_arms", "ddtree_features", "ddtree_grammar",
-        "dflash")
+        "ddtree_json", "dflash")
 SWA_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
 
@@ -83,6 +83,18 @@ def models(base: Path, depth: int) -> dict:
     return {"target": str(t), "drafter": str(d), "drafter_swa": str(s), "mask": mask}
 
 
+def json_models(base: Path, depth: int) -> dict:
+    """The same tiny target with a byte-level BPE tokenizer (it writes any text, JSON
+    too) and a random drafter for it."""
+    import tiny_models as T
+
+    t = T.write_target(base / "target_bytes", tokenizer="bytes")
+    d = T.write_drafter(base / "drafter_bytes", t, kind="random", block_size=depth + 1)
+    with open(t / "tiny_model.json") as f:
+        mask = json.load(f)["mask_token_id"]
+    return {"target": str(t), "drafter": str(d), "mask": mask}
+
+
 def prompts(mask: int) -> list[list[int]]:
     import random
 
@@ -96,7 +108,8 @@ def per_batch_schedule(b: int, chain: int = 0) -> list[list[int]]:
 
 def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str = "",
            sync: bool = False, per_batch: bool = False, chain: int = 0,
-           default: bool = False, arms: bool = False, tokenizer: bool = False):
+           default: bool = False, arms: bool = False, tokenizer: bool = False,
+           json_config: bool = False):
     from vllm import LLM
 
     kw = dict(model=m["target"], skip_tokenizer_init=not tokenizer, dtype=a.dtype, seed=0,
@@ -105,6 +118,8 @@ def engine(a, m: dict, mode: str, eager: bool, drafter: str = "", profile: str =
               # a fixed KV size: no memory profiling, so an engine that failed and is
               # still being freed cannot break the next one's start
               kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.5)
+    if json_config:  # the CPU tier's JSON settings (xgrammar, no free whitespace)
+        kw["structured_outputs_config"] = _rq().JSON_CONFIG
     if not eager:  # the verify steps' shapes (1 + B per request) and the drafter's (1 + L)
         qs = {"ddtree": {1 + a.budget, 1 + min(a.depth, a.budget)},
               "dflash": {1 + a.depth}}.get(mode, {1})
@@ -230,6 +245,25 @@ def grammar_params() -> list:
             regex("(w1[0-9]*w1[0-9]*w2[0-9]*)+"), regex("(w1[0-9]*)+"),
             sp(bad_words=["w7", "w11 w12"], ignore_eos=True), sp(min_p=0.2, ignore_eos=True),
             regex("(w1[0-9]*w1[0-9]*w2[0-9]*)+"), sp(ignore_eos=True)]
+
+
+def _rq():
+    """tests/engine/request_jobs.py: the CPU tier's JSON schema and settings."""
+    sys.path.insert(0, str(HERE.parents[1] / "tests" / "engine"))
+    import request_jobs
+
+    return request_jobs
+
+
+def json_params() -> list:
+    """One JSON-schema request per prompt (#32; the CPU tier's schema: every field ends),
+    greedy, long enough for a whole answer."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=_rq().JSON_SCHEMA)
+    return [SamplingParams(temperature=0.0, max_tokens=_rq().JSON_GREEDY["max_tokens"],
+                           detokenize=True, structured_outputs=so) for _ in range(N_PROMPTS)]
 
 
 def params_row(tag, params, res, out, a, m, toks, **kw) -> None:
@@ -420,6 +454,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grammar-row", action="store_true",
                     help="also structured outputs (three regex grammars), bad words and "
                          "min_p per prompt, with the target's words tokenizer (#32)")
+    ap.add_argument("--json-row", action="store_true",
+                    help="also JSON-schema structured outputs per prompt, with the target's "
+                         "weights and a byte-level BPE tokenizer (#32)")
     ap.add_argument("--ref-twice", action="store_true",
                     help="run the no-spec reference twice: a row of its own says whether "
                          "the reference itself repeats (run 11 e: it did not at a 0.002 gap)")
@@ -473,6 +510,9 @@ def main(argv=None) -> int:
         params_row("features", feature_params(m["mask"] + 1), res, out, a, m, toks)
     if a.grammar_row:  # the same with the target's words tokenizer
         params_row("grammar", grammar_params(), res, out, a, m, toks, tokenizer=True)
+    if a.json_row:  # the same with a byte-level BPE tokenizer
+        params_row("json", json_params(), res, out, a, json_models(
+            Path("/tmp/eq_v2_models"), a.depth), toks, tokenizer=True, json_config=True)
     if a.dtype != "float32":
         run("dflash", res, out, a, m, toks, "dflash", not a.graphs, drafter=m["drafter"])
 
@@ -483,7 +523,8 @@ def main(argv=None) -> int:
         r = res[name]
         base = res["ddtree"] if name == "ddtree_eager" else \
             res.get("nospec_features", {}) if name == "ddtree_features" else \
-            res.get("nospec_grammar", {}) if name == "ddtree_grammar" else ref
+            res.get("nospec_grammar", {}) if name == "ddtree_grammar" else \
+            res.get("nospec_json", {}) if name == "ddtree_json" else ref
         if "tokens" not in r or "tokens" not in base:
             rep, bad = None, ["error: " + (r.get("error") or base.get("error", "?"))
                               .strip().splitlines()[-1][:200]]

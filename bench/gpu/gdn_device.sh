@@ -47,7 +47,8 @@
 # choice changed after it (a close call goes to the tree).  Next: b1; install apply
 # (VERIFY=0); e2e rounds 1-3 at 256 tokens with E2E_CONFIGS="chain15async
 # ddtree16autoasync ddtree16async" (does the new choice come within 2 % of the fixed tree?),
-# then the 8B shape the same way (E2E_SHAPE=qwen3_8b: #29's own shape).
+# then the 8B shape the same way (E2E_SHAPE=qwen3_8b: #29's own shape); fp32ieee once
+# (its new JSON row, #32: JSON schemas with a byte-level BPE tokenizer, never run on a GPU).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -137,7 +138,7 @@ for s in ${STAGES:-install apply tests eq}; do
       stamp fp32 ieee
       TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee VLLM_USE_V2_MODEL_RUNNER=1 \
         timeout $(left ${T_FP32:-300}) python3 bench/gpu/equality_v2.py "$OUT/fp32_v2_ieee" \
-        --graphs --attn TRITON_ATTN --features-row --grammar-row > "$OUT/fp32_v2_ieee.txt" 2>&1; echo "rc=$?"
+        --graphs --attn TRITON_ATTN --features-row --grammar-row --json-row > "$OUT/fp32_v2_ieee.txt" 2>&1; echo "rc=$?"
       grep -E "PASS|FAIL|RESULT|Traceback|Error|DIFF" "$OUT/fp32_v2_ieee.txt" | cut -c1-300 | tail -12 ;;
     startup)  # issue 29: engine start-up, DDTree's V2 default vs DFlash at the same
       # max_num_seqs, vLLM's capture sizes (startup_bench.py; 8B shape unless BENCH_SHAPE;
