@@ -8,7 +8,7 @@ Prints a table.
     python bench/arms_sim.py --tree-ms 30.3 --chain-ms 29.7 --budget 16
     python bench/arms_sim.py --min-rows 1      # the chain may lead from the first rows
     python bench/arms_sim.py --switch-ms 5     # a switch of arms costs 5 ms more
-    python bench/arms_sim.py --z 2             # the tree leads past 2 standard errors
+    python bench/arms_sim.py --z 2             # the chain leads only past 2 standard errors
 
 Each profile is a calibrated synthetic drafter (the true token at a rank drawn from the
 profile; tests/gpu/test_arms.py's _tree_step) with L = 15, C = 15 and the tree of
