@@ -226,6 +226,23 @@ def json_jobs(prompts_of) -> list[dict]:
     return out
 
 
+def check_json_job(ref_run: dict, got_run: dict, jobs: dict, job: str, stats: dict,
+                   depth: int) -> None:
+    """A JSON job (json_schema / json_mixed) of DDTree against no-spec: equal token for
+    token, every JSON answer complete and valid, the schema changed the output, drafts
+    accepted, paths as deep as the drafter goes, the grammar kept drafts (V1 and V2)."""
+    ref, got = outputs(ref_run, job), outputs(got_run, job)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
+    answers = got[:1] if job == "json_mixed" else got
+    assert all(o["finish_reason"] == "stop" and json_valid(o["text"])
+               for o in answers), [o["text"] for o in answers]
+    if job == "json_schema":
+        assert changed(ref_run, jobs[job], jobs["json_plain"]) >= 3
+    assert got_run["jobs"][job]["metrics"]["num_accepted_tokens"] > 0
+    assert stats["accepted_per_depth"].get(str(depth), 0) > 0 \
+        and stats.get("grammar_kept", 0) > 0, stats
+
+
 def json_valid(text: str) -> bool:
     """text is one JSON object that JSON_SCHEMA accepts."""
     import json

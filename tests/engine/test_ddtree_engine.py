@@ -428,19 +428,8 @@ def test_json_schema_equal_nospec(runs, job):
     changed the output; in the mixed batch a regex request and a penalised plain one
     next to the JSON one are equal too.  The synthetic drafter drafts the no-spec
     continuations at ranks 0-2, so accepted paths run deep through the grammar."""
-    ref = rq.outputs(runs["stock"]["json_nospec"], job)
-    got = rq.outputs(runs["patched"]["json_b8"], job)
-    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
-    answers = got[:1] if job == "json_mixed" else got
-    assert all(o["finish_reason"] == "stop" and rq.json_valid(o["text"])
-               for o in answers), [o["text"] for o in answers]
-    if job == "json_schema":
-        jobs = runs["jobs"]
-        assert rq.changed(runs["stock"]["json_nospec"], jobs[job], jobs["json_plain"]) >= 3
-    m = runs["patched"]["json_b8"]["jobs"][job]["metrics"]
-    assert m["num_accepted_tokens"] > 0
-    s = runs["stats"]["json_b8"]
-    assert s["accepted_per_depth"].get(str(DEPTH), 0) > 0 and s.get("grammar_kept", 0) > 0
+    rq.check_json_job(runs["stock"]["json_nospec"], runs["patched"]["json_b8"], runs["jobs"],
+                      job, runs["stats"]["json_b8"], DEPTH)
 
 
 @pytest.mark.parametrize("job", ["feature_bad_words", "feature_min_tokens"])

@@ -208,18 +208,8 @@ def test_v2_json_schema_equal_nospec(v2, job):
     changed the output; in the mixed batch a regex request and a penalised plain one next
     to the JSON one are equal too.  The synthetic drafter drafts no-spec's continuations
     at ranks 0-2, so accepted paths run deep through the grammar."""
-    ref = rq.outputs(v2["got"]["json_nospec"], job)
-    got = rq.outputs(v2["got"]["json_trees"], job)
-    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
-    answers = got[:1] if job == "json_mixed" else got
-    assert all(o["finish_reason"] == "stop" and rq.json_valid(o["text"])
-               for o in answers), [o["text"] for o in answers]
-    if job == "json_schema":
-        jobs = v2["jobs"]
-        assert rq.changed(v2["got"]["json_nospec"], jobs[job], jobs["json_plain"]) >= 3
-    assert v2["got"]["json_trees"]["jobs"][job]["metrics"]["num_accepted_tokens"] > 0
-    s = v2["stats"]["json_trees"]
-    assert s["accepted_per_depth"].get(str(DEPTH), 0) > 0 and s.get("grammar_kept", 0) > 0, s
+    rq.check_json_job(v2["got"]["json_nospec"], v2["got"]["json_trees"], v2["jobs"], job,
+                      v2["stats"]["json_trees"], DEPTH)
 
 
 def test_v2_grammar_cut_drafts_it_forbids(v2):
