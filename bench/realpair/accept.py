@@ -97,9 +97,12 @@ def per_anchor(lps: torch.Tensor, truths: torch.Tensor, budgets) -> dict:
     {"chain": [A] accepted, "<B>": [A] accepted, "top1": [A][L], "p_true": [A][L]}."""
     A, L = truths.shape
     top1 = lps.argmax(-1) == truths
+    lp_true = lps.gather(-1, truths.unsqueeze(-1))
     out = {"chain": [chain_accepted(lps[a], truths[a]) for a in range(A)],
            "top1": top1.int().tolist(),
-           "p_true": lps.gather(-1, truths.unsqueeze(-1)).squeeze(-1).float().exp().tolist()}
+           # the truth's rank in the drafter's distribution per depth (0: top-1)
+           "rank": (lps > lp_true).sum(-1).tolist(),
+           "p_true": lp_true.squeeze(-1).float().exp().tolist()}
     bmax = max(budgets)
     vals, toks = lps.float().topk(min(bmax, lps.shape[-1]), dim=-1)
     vals, toks, tr = vals.cpu().tolist(), toks.cpu().tolist(), truths.cpu().tolist()
@@ -132,10 +135,43 @@ def summarize(acc: dict, budgets) -> dict:
         # mean drafter probability of the target's token per depth (calibration)
         "p_true_per_depth": [round(col("p_true", j), 4) for j in range(L)],
         "tree": {str(b): {"tau": 1 + sum(acc[str(b)]) / A,
-                          "accept_per_depth": _per_depth(acc[str(b)], L)}
+                          "accept_per_depth": _per_depth(acc[str(b)], L),
+                          **sibling_stats(acc["rank"], acc[str(b)])}
                  for b in budgets},
     }
     return out
+
+
+def sibling_stats(ranks, accepted) -> dict:
+    """How a tree walk of one budget uses siblings (rmagur1203/vllm-ddtree's question).
+
+    ranks [A][L]: the truth's rank per depth; accepted [A]: the walk's accepted drafts.
+    A walk step at depth d took the first child when ranks[a][d] == 0, a sibling
+    otherwise.  For every accepted step followed by a depth d + 1: is the truth there
+    the drafter's top-1 (``next_top1``) and did the walk accept it (``next_accepted``),
+    split by whether the path so far is all first children (main path) or took a
+    sibling at d.
+    """
+    A = len(ranks)
+    left = sum(any(r[d] > 0 for d in range(n)) for r, n in zip(ranks, accepted))
+    cnt = {"main": [0, 0, 0], "sibling": [0, 0, 0]}  # steps, next top-1, next accepted
+    for r, n in zip(ranks, accepted):
+        main = True
+        for d in range(min(n, len(r) - 1)):
+            main = main and r[d] == 0
+            key = "main" if main else ("sibling" if r[d] > 0 else None)
+            if key is None:  # first child after an earlier sibling: neither
+                continue
+            c = cnt[key]
+            c[0] += 1
+            c[1] += r[d + 1] == 0
+            c[2] += n > d + 1
+    rate = lambda i, k: round(cnt[k][i] / cnt[k][0], 4) if cnt[k][0] else None  # noqa: E731
+    return {"leaves_first_child": round(left / A, 4) if A else None,
+            "main_steps": cnt["main"][0], "sibling_steps": cnt["sibling"][0],
+            "main_next_top1": rate(1, "main"), "sibling_next_top1": rate(1, "sibling"),
+            "main_next_accepted": rate(2, "main"),
+            "sibling_next_accepted": rate(2, "sibling")}
 
 
 def trajectory_tau(acc_per_seq: list[dict], max_tokens: int, budgets) -> dict:

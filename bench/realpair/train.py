@@ -42,7 +42,7 @@ PRESETS = {
                 eval_prompts=64, eval_prompt_len=128, eval_gen=160, eval_stride=4,
                 eval_max_anchors=1024, measure_prompts=16, measure_max_tokens=128,
                 b1_prompts=8, max_files=None, tok_bytes=12_000_000,
-                budgets=(16, 32, 64, 128, 256)),
+                budgets=(16, 32, 64, 128, 256), d_init="random"),
     # CPU smoke run of the whole pipeline (minutes on 2 cores)
     "tiny": dict(vocab=1024, hidden=128, inter=256, layers=4, heads=2, kv_heads=1,
                  head_dim=64, seq=128, batch=8, lr=3e-3,
@@ -50,7 +50,8 @@ PRESETS = {
                  gen_batch=32, gen_prompt=(24, 40), gen_len=56, gen_max_seqs=96,
                  eval_prompts=8, eval_prompt_len=32, eval_gen=48, eval_stride=4,
                  eval_max_anchors=64, measure_prompts=4, measure_max_tokens=24,
-                 b1_prompts=4, max_files=160, tok_bytes=1_500_000, budgets=(8, 16, 32)),
+                 b1_prompts=4, max_files=160, tok_bytes=1_500_000, budgets=(8, 16, 32),
+                 d_init="random"),
 }
 
 
@@ -179,6 +180,14 @@ def train_target(model, train_stream, held_stream, p, seconds, dev, seed, res,
                            "curve": curve}
 
 
+def load_target(tdir: Path, dev):
+    """A target saved by save_target: (model on dev, its target_params)."""
+    from transformers import Qwen3ForCausalLM
+
+    tp = json.load(open(tdir / "tiny_model.json"))["params"]
+    return Qwen3ForCausalLM.from_pretrained(str(tdir)).to(dev), tp
+
+
 # ------------------------------------------------------------------ generation
 
 @torch.no_grad()
@@ -252,6 +261,15 @@ def drafter_loss(drafter, target, cap, x, anchors, block, mask_id, weights):
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                          reduction="none").view(N, nb, block - 1)
     return (ce * weights).sum(-1).mean() / weights.sum(), logits, labels
+
+
+def init_from_target(drafter, target) -> None:
+    """Copy the target's last len(drafter.layers) decoder layers into the drafter's
+    layers (a Qwen3 layer's parameter names and shapes are the drafter layer's)."""
+    src = target.model.layers[-len(drafter.layers):]
+    for d, t in zip(drafter.layers, src):
+        d.load_state_dict({k: v.detach().float() for k, v in t.state_dict().items()
+                           if not k.startswith("self_attn.rotary")}, strict=True)
 
 
 def train_drafter(drafter, target, cap, data, p, seconds, dev, seed, mask_id, res,
@@ -368,6 +386,10 @@ def main(argv=None) -> int:
                          "(default: stdlib+site on the GPU preset, stdlib with --tiny)")
     ap.add_argument("--site-mb", type=float, default=40.0)
     ap.add_argument("--heldout-frac", type=float, default=0.05)
+    ap.add_argument("--target-from", default=None, metavar="DIR",
+                    help="reuse the target (and tokenizer) of an earlier run's OUT "
+                         "instead of training one: several drafters for one target, or "
+                         "a drafter trained over several device calls")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a preset value, e.g. --set layers=8")
     args = ap.parse_args(argv)
@@ -409,9 +431,19 @@ def main(argv=None) -> int:
     site = (args.corpus or ("stdlib" if args.tiny else "stdlib+site")) == "stdlib+site"
     texts, files = corpus.load_corpus(site, args.heldout_frac, args.seed, 400_000,
                                       p["max_files"], int(args.site_mb * 1e6))
-    corpus.dump(out / "corpus.json", corpus.corpus_record(files, site, args.seed,
-                                                          args.heldout_frac))
-    tok = corpus.train_tokenizer(texts["train"], p["vocab"], p["tok_bytes"], args.seed)
+    record = corpus.corpus_record(files, site, args.seed, args.heldout_frac)
+    if args.target_from and json.load(open(Path(args.target_from) / "corpus.json")) != \
+            json.loads(json.dumps(record)):
+        raise SystemExit("--target-from: that run's corpus (files, split, seed) differs "
+                         "from this one's: its held-out prompts would not be held out")
+    corpus.dump(out / "corpus.json", record)
+    src = Path(args.target_from) / "pair" / "target" if args.target_from else None
+    if src is not None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    else:
+        tok = corpus.train_tokenizer(texts["train"], p["vocab"], p["tok_bytes"], args.seed)
     corpus.save_tokenizer(tok, tdir)
     train_stream, _ = corpus.encode_stream(tok, texts["train"])
     held_stream, held_starts = corpus.encode_stream(tok, texts["heldout"])
@@ -428,18 +460,25 @@ def main(argv=None) -> int:
 
     # target
     t = time.perf_counter()
-    tp = pair.target_params(seed=args.seed, vocab_size=vocab, hidden_size=p["hidden"],
-                            intermediate_size=p["inter"], num_hidden_layers=p["layers"],
-                            num_attention_heads=p["heads"],
-                            num_key_value_heads=p["kv_heads"], head_dim=p["head_dim"],
-                            max_position_embeddings=2048, rope_theta=10000.0,
-                            mask_token_id=corpus.SPECIALS.index(corpus.MASK),
-                            bos_token_id=0, eos_token_id=1)
+    if src is not None:  # an earlier run's target: its recipe and curve come along
+        target, tp = load_target(src, dev)
+        res["target_reused_from"] = str(src)
+        prev = json.load(open(Path(args.target_from) / "train.json"))
+        for k in ("target_train", "target_params_count"):
+            res[k] = prev.get(k)
+    else:
+        tp = pair.target_params(seed=args.seed, vocab_size=vocab, hidden_size=p["hidden"],
+                                intermediate_size=p["inter"], num_hidden_layers=p["layers"],
+                                num_attention_heads=p["heads"],
+                                num_key_value_heads=p["kv_heads"], head_dim=p["head_dim"],
+                                max_position_embeddings=2048, rope_theta=10000.0,
+                                mask_token_id=corpus.SPECIALS.index(corpus.MASK),
+                                bos_token_id=0, eos_token_id=1)
+        target = pair.make_target(tp).to(dev)
+        res["target_params_count"] = sum(q.numel() for q in target.parameters())
+        train_target(target, train_stream, held_stream, p, secs["target"], dev, args.seed,
+                     res, steps["target"])
     mask_id = tp["mask_token_id"]
-    target = pair.make_target(tp).to(dev)
-    res["target_params_count"] = sum(q.numel() for q in target.parameters())
-    train_target(target, train_stream, held_stream, p, secs["target"], dev, args.seed, res,
-                 steps["target"])
     hl = heldout_loss(target, held_stream, p["seq"], dev, max_windows=256)
     res["target_heldout"] = {"loss": round(hl, 4), "ppl": round(math.exp(hl), 3),
                              "bits_per_byte": round(hl / math.log(2) /
@@ -464,11 +503,15 @@ def main(argv=None) -> int:
 
     # drafter
     t = time.perf_counter()
-    layer_ids = pair.default_layer_ids(p["layers"], p["d_aux"])
+    layer_ids = pair.default_layer_ids(target.config.num_hidden_layers, p["d_aux"])
     tcfg = json.load(open(tdir / "config.json"))
     dcfg = pair.drafter_config(tcfg, p["d_layers"])
     drafter = pair.Drafter(dcfg, len(layer_ids))
     drafter.init_weights(args.seed + 2)
+    if p["d_init"] == "target":  # start from the target's last layers (same names)
+        init_from_target(drafter, target)
+    elif p["d_init"] != "random":
+        raise SystemExit(f"d_init: random or target, not {p['d_init']!r}")
     drafter.to(dev)
     cap = pair.AuxCapture(target, layer_ids)
     train_drafter(drafter, target, cap, data, p, secs["drafter"], dev, args.seed + 3,

@@ -169,3 +169,44 @@ def test_tree_equals_chain_when_the_drafter_is_sure(budget):
     lp = _lp([[0.98, 0.01, 0.01]] * 3)
     truth = torch.tensor([0, 0, 0])
     assert accept.tree_accepted(lp, truth, budget) == accept.chain_accepted(lp, truth) == 3
+
+
+def test_sibling_stats_split_main_path_and_sibling_steps():
+    # anchor 0: ranks 0, 1, 0, 2 and the walk accepts 3: steps at d=0 (main, next rank 1),
+    # d=1 (sibling, next top-1, accepted), d=2 (neither: a first child after a sibling)
+    # anchor 1: ranks 0, 0, 3, 0, accepted 2: steps d=0 main (next top-1, accepted),
+    # d=1 main (next rank 3, not accepted)
+    s = accept.sibling_stats([[0, 1, 0, 2], [0, 0, 3, 0]], [3, 2])
+    assert s["leaves_first_child"] == 0.5
+    assert (s["main_steps"], s["sibling_steps"]) == (3, 1)
+    assert s["main_next_top1"] == round(1 / 3, 4)
+    assert s["main_next_accepted"] == round(2 / 3, 4)  # d=0 of both were followed
+    assert s["sibling_next_top1"] == 1.0 and s["sibling_next_accepted"] == 1.0
+    empty = accept.sibling_stats([[1, 0]], [0])
+    assert empty["sibling_next_top1"] is None and empty["leaves_first_child"] == 0.0
+
+
+def test_summarize_reports_sibling_stats_per_budget():
+    lp = _lp([[0.6, 0.4, 1e-9], [1e-9, 1e-9, 1.0], [1.0, 1e-9, 1e-9]])
+    truth = torch.tensor([1, 2, 0])
+    s = accept.summarize(accept.per_anchor(lp.unsqueeze(0), truth.unsqueeze(0), [1, 8]),
+                         [1, 8])
+    assert s["tree"]["8"]["leaves_first_child"] == 1.0
+    assert s["tree"]["8"]["sibling_next_top1"] == 1.0  # depth 1 after the sibling
+    assert s["tree"]["1"]["leaves_first_child"] == 0.0
+
+
+def test_drafter_init_from_target_copies_the_last_layers():
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(BENCH))
+    import train
+
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16)
+    target = transformers.Qwen3ForCausalLM(cfg)
+    d = pair.Drafter(CFG, 2)
+    train.init_from_target(d, target)
+    for dl, tl in zip(d.layers, target.model.layers[1:]):
+        for k, v in dl.state_dict().items():
+            assert torch.equal(v, tl.state_dict()[k].float()), k
