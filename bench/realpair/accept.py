@@ -134,6 +134,12 @@ def summarize(acc: dict, budgets) -> dict:
         "chain_tau": 1 + sum(acc["chain"]) / A,
         # mean drafter probability of the target's token per depth (calibration)
         "p_true_per_depth": [round(col("p_true", j), 4) for j in range(L)],
+        # P(the truth is the drafter's r-th choice), r = 0..7, per depth and over all
+        # depths: a synthetic drafter profile measured on this pair (step_bench's pNN)
+        "rank_probs_per_depth": [[round(sum(r[j] == k for r in acc["rank"]) / A, 4)
+                                  for k in range(8)] for j in range(L)],
+        "rank_probs": [round(sum(r[j] == k for r in acc["rank"] for j in range(L)) /
+                             (A * L), 4) for k in range(8)],
         "tree": {str(b): {"tau": 1 + sum(acc[str(b)]) / A,
                           "accept_per_depth": _per_depth(acc[str(b)], L),
                           **sibling_stats(acc["rank"], acc[str(b)])}

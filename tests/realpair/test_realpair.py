@@ -210,3 +210,11 @@ def test_drafter_init_from_target_copies_the_last_layers():
     for dl, tl in zip(d.layers, target.model.layers[1:]):
         for k, v in dl.state_dict().items():
             assert torch.equal(v, tl.state_dict()[k].float()), k
+
+
+def test_rank_probs_are_the_truths_rank_histogram():
+    lp = _lp([[0.6, 0.3, 0.1], [0.1, 0.2, 0.7], [1.0, 1e-9, 1e-9]])
+    truth = torch.tensor([1, 0, 0])  # ranks 1, 2, 0
+    s = accept.summarize(accept.per_anchor(lp.unsqueeze(0), truth.unsqueeze(0), [4]), [4])
+    assert [r[:3] for r in s["rank_probs_per_depth"]] == [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
+    assert s["rank_probs"] == [round(1 / 3, 4)] * 3 + [0.0] * 5
