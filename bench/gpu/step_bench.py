@@ -27,12 +27,13 @@ with random safetensors written here (draft_load_config: safetensors).
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
     CONFIG: nospec | chain15 | chain15async |
-            ddtree<B>[pb|chain|auto][warm][bg|nobg][cg|nocg][async]
+            ddtree<B>[pb|chain|auto|every][warm][bg|nobg][cg|nocg][async]
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
     decoding; chain: budget B for 1-2 requests, a
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
     pinned, DDTree's V2 default: B at 1 request, B // 2 at 2, chains of min(L, B - 1)
-    from 3 on, and at 1-2 requests the tree or the chain by tokens/s, arms.py; the chain
+    from 3 on, and at 1-2 requests the tree or the chain by tokens/s, arms.py; every: B
+    at every batch size, the tree or the chain of min(L, B - 1) by tokens/s at each; the chain
     arm's own draft graphs follow the default (on) unless nocg (ddtree_chain_graphs=0)
     or cg (=1); warm: before each timed e2e cell an untimed run of it on other prompts, so the choice is
     timed in its steady state instead of its start; the tree build replayed from its
@@ -98,15 +99,20 @@ def parse(cfg: str):
         # warm: the choice keeps what an untimed whole run of the cell taught it
         warm = rest.endswith("warm")
         rest = rest[:-4] if warm else rest
+        # every: B at every batch size, the tree or the chain of min(L, B - 1) by
+        # tokens/s at each (arms.py): the schedule to try where B <= C + 1 (#29)
+        every = rest.endswith("every")
+        rest = rest[:-5] if every else rest
         pb = rest.endswith("pb")  # budget per batch size: B, B/2, B/4 for 1, 2-3, 4+
         chain = rest.endswith("chain")  # B for 1-2 requests, a chain of L from 3 on
         auto = rest.endswith("auto")  # DDTree's V2 default: that, tree vs chain at 1-2
         k = int(rest[:-5] if chain else rest[:-4] if auto else rest[:-2] if pb else rest)
         sched = [[1, 1, k], [2, 3, max(1, k // 2)], [4, 1024, max(1, k // 4)]] if pb else \
             [[1, 2, k], [3, 1024, min(L, k)]] if chain else \
-            auto_schedule(k, min(L, k - 1)) if auto else None
+            auto_schedule(k, min(L, k - 1)) if auto else [[1, 1 << 16, k]] if every else None
         return dict(kind="ddtree", k=k, async_sched=asy, per_batch=sched, auto=auto,
-                    chain=min(L, k) if chain else min(L, k - 1) if auto else 0, cg=cg,
+                    every=every,
+                    chain=min(L, k) if chain else min(L, k - 1) if auto or every else 0, cg=cg,
                     warm=warm, bg=bg)
     raise ValueError(cfg)
 
@@ -183,9 +189,14 @@ def engine(spec: dict, **llm_kw):
             if spec.get("auto"):  # nothing pinned: DDTree's V2 default
                 if not V2:
                     raise ValueError("ddtree<B>auto is DDTree's V2 default: V2 only")
+            elif spec.get("every"):  # the user's schedule under the arms (C = min(L, B - 1))
+                if not V2:
+                    raise ValueError("ddtree<B>every chooses by arms: V2 only")
+                sc["num_speculative_tokens_per_batch_size"] = spec["per_batch"]
+                sc["ddtree_budget_control"] = "auto"
             elif spec.get("per_batch"):
                 sc["num_speculative_tokens_per_batch_size"] = spec["per_batch"]
-            if V2 and not spec.get("auto"):  # pinned: 0 = B for every batch size
+            if V2 and not spec.get("auto") and not spec.get("every"):  # pinned: 0 = B always
                 sc["ddtree_chain_budget"] = spec.get("chain", 0)
             # pinned either way: on V2 DDTree keeps vLLM's async default unless told not to
             asy = bool(spec.get("async_sched"))

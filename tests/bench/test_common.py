@@ -84,6 +84,9 @@ def test_config_names_of_the_step_bench():
     nobg = sb.parse("ddtree64autonobgasync")
     assert nobg["bg"] == "0" and nobg["auto"] and nobg["k"] == 64 and nobg["cg"] is None
     assert sb.parse("ddtree64autowarmnobgnocgasync")["bg"] == "0"
+    every = sb.parse("ddtree16everyasync")  # B everywhere, the arms at every batch size
+    assert every["per_batch"] == [[1, 1 << 16, 16]] and every["every"] and not every["auto"]
+    assert every["chain"] == 15 and every["k"] == 16 and every["async_sched"]
 
 
 def test_equality_v2_reference_rows_expect_no_drafter():
