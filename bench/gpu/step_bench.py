@@ -368,16 +368,24 @@ class FastSynthetic:
     config drew tau 5.13 and another 4.72 on the same text)."""
 
     def __init__(self, perm, rank_probs, seed=0):
+        """rank_probs: one profile [p_0, p_1, ...] for every depth, or one per depth
+        ([[...], [...], ...]; depths past the last use the last): a profile measured
+        on a trained pair (bench/realpair: offline_acceptance.rank_probs_per_depth)."""
         self.perm = perm
         dev = perm.device
         v = perm.numel()
-        p = torch.tensor(rank_probs, dtype=torch.float64)
-        self.logp = p.log().float().to(dev)
-        self.tail = float(torch.log((1 - p.sum()).clamp(min=1e-6) / v))
-        self.r = len(rank_probs)
+        rows = rank_probs if isinstance(rank_probs[0], (list, tuple)) else [rank_probs]
+        r = max(len(x) for x in rows)
+        p = torch.tensor([list(x) + [0.0] * (r - len(x)) for x in rows], dtype=torch.float64)
+        self.logp = p.clamp(min=1e-9).log().float().to(dev)  # [D, r]
+        tail = (1 - p.sum(-1)).clamp(min=1e-6)
+        self.tail = (tail / v).log().float().to(dev)  # [D]
+        self.r = r
         g = torch.Generator().manual_seed(seed)
-        draw = torch.cat([p, (1 - p.sum()).clamp(min=0).reshape(1)]).float()
-        self.rank_of = torch.multinomial(draw, v, True, generator=g).to(dev)  # r: tail
+        draws = torch.cat([p, (1 - p.sum(-1, keepdim=True)).clamp(min=0)], -1).float()
+        # r: the tail; one draw per depth (one profile: the draws of earlier runs)
+        self.rank_of = torch.stack([torch.multinomial(d, v, True, generator=g)
+                                    for d in draws]).to(dev)  # [D, v]
         self.cand_of = torch.randint(0, v, (v, self.r), generator=g).to(dev)
         self.gen = torch.Generator(device=dev).manual_seed(seed)
 
@@ -389,10 +397,13 @@ class FastSynthetic:
         for d in range(depth):
             t = self.perm[t]
             true[:, d] = t
-        rank = self.rank_of[true]
-        base = self.tail + 1e-3 * torch.rand(n, depth, v, device=dev, generator=self.gen)
+        dd = torch.arange(depth, device=dev).clamp(max=self.rank_of.shape[0] - 1)
+        rank = self.rank_of[dd.unsqueeze(0), true]  # [n, depth]
+        base = self.tail[dd].view(1, depth, 1) + \
+            1e-3 * torch.rand(n, depth, v, device=dev, generator=self.gen)
         cand = self.cand_of[true]
-        base.scatter_(-1, cand, self.logp.expand(n, depth, self.r).contiguous())
+        base.scatter_(-1, cand, self.logp[dd].unsqueeze(0).expand(n, depth, self.r)
+                      .contiguous())
         absent = (rank >= self.r).unsqueeze(-1)
         tgt = cand.gather(-1, rank.clamp(max=self.r - 1).unsqueeze(-1))
         tgt = torch.where(absent, true.unsqueeze(-1), tgt)  # absent: stays in the tail
@@ -401,6 +412,17 @@ class FastSynthetic:
         base.scatter_(-1, tgt, v_true)
         base.scatter_(-1, true.unsqueeze(-1), v_tgt)
         return base
+
+
+def real_profile(path: str) -> list:
+    """The per-depth rank probabilities a trained pair measured (bench/realpair's
+    train.json: offline_acceptance.rank_probs_per_depth), or a JSON list of them."""
+    with open(path) as f:
+        doc = json.load(f)
+    rows = doc["offline_acceptance"]["rank_probs_per_depth"] if isinstance(doc, dict) else doc
+    if not rows or not all(isinstance(r, list) and r and sum(r) <= 1 + 1e-6 for r in rows):
+        raise ValueError(f"{path}: not a list of per-depth rank probabilities")
+    return rows
 
 
 def rewire_target(runner, seed=0):
@@ -546,6 +568,8 @@ def run_config(name, out_dir, res):
     perm = rewire_target(runner)
     only = os.environ.get("BENCH_PROFILES", "p60,p80,p90")
     profiles = {p: v for p, v in PROFILES.items() if p in only.split(",")}
+    if "real" in only.split(","):  # a profile measured on a trained pair (#31)
+        profiles["real"] = real_profile(os.environ["BENCH_REAL_PROFILE"])
     profiles = profiles if kind != "nospec" else {"-": None}
     for pname, probs in profiles.items():
         if probs is not None and V2:

@@ -2,6 +2,7 @@
 payload classes in a stand-in engine (a broken helper costs a whole device call:
 run 9's e2e cells died in reset_arms after an ArmExpect change)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -62,6 +63,32 @@ def test_the_synthetic_drafter_is_the_same_for_every_config():
     t = torch.arange(V)
     top1 = fs.logits(None, {"next_token_ids": t}, V, 1, meta).argmax(-1)[:, 0]
     assert float((top1 == perm[t]).float().mean()) == pytest.approx(0.8, abs=0.03)
+
+
+def test_the_synthetic_drafter_takes_a_profile_per_depth(tmp_path):
+    """A profile measured on a trained pair gives each depth its own rank law (the
+    truth's rank frequencies follow it depth by depth; depths past the last use it)."""
+    sb = _step_bench()
+    V = 4000
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(0))
+    rows = [[0.9, 0.05], [0.5, 0.2, 0.1], [0.2]]
+    doc = tmp_path / "train.json"
+    doc.write_text(json.dumps({"offline_acceptance": {"rank_probs_per_depth": rows}}))
+    fs = sb.FastSynthetic(perm, sb.real_profile(str(doc)))
+    t = torch.arange(V)
+    lg = fs.logits(None, {"next_token_ids": t}, V, 5, torch.empty(1, 1, V))
+    truth, cur = torch.empty(V, 5, dtype=torch.long), t
+    for d in range(5):
+        cur = perm[cur]
+        truth[:, d] = cur
+    rank = (lg > lg.gather(-1, truth.unsqueeze(-1))).sum(-1)
+    for d, want in enumerate(rows + rows[-1:] * 2):
+        for r, p in enumerate(want):
+            assert float((rank[:, d] == r).float().mean()) == pytest.approx(p, abs=0.025)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[[0.9, 0.5]]")
+    with pytest.raises(ValueError):
+        sb.real_profile(str(bad))
 
 
 def test_config_names_of_the_step_bench():
