@@ -2,7 +2,8 @@
 """Train the real pair from scratch: corpus -> tokenizer -> Qwen3 target -> the
 target's greedy continuations -> DFlash drafter -> offline acceptance.
 
-    python bench/realpair/train.py OUT [--tiny] [--target-seconds S] [--drafter-seconds S]
+    python bench/realpair/train.py OUT [--tiny | --preset cpu] [--target-seconds S]
+        [--drafter-seconds S] [--target-from EARLIER_OUT] [--set KEY=JSON ...]
 
 Writes OUT/pair/target (save_pretrained + tokenizer), OUT/pair/drafter (the layout
 vLLM's qwen3_dflash loads), OUT/pair/prompts.json (held-out prompts for measure.py),
@@ -43,6 +44,16 @@ PRESETS = {
                 eval_max_anchors=1024, measure_prompts=16, measure_max_tokens=128,
                 b1_prompts=8, max_files=None, tok_bytes=12_000_000,
                 budgets=(16, 32, 64, 128, 256), d_init="random"),
+    # a long CPU run (about an hour on 2 cores, #31): vocab 2048, 4 x 192 target, a
+    # 2-layer drafter at block 16; budgets are wall clock (--*-seconds)
+    "cpu": dict(vocab=2048, hidden=192, inter=512, layers=4, heads=3, kv_heads=1,
+                head_dim=64, seq=256, batch=16, lr=3e-3,
+                d_layers=2, d_aux=2, block=16, d_batch=16, d_blocks=8, d_lr=2e-3,
+                gen_batch=256, gen_prompt=(48, 96), gen_len=128, gen_max_seqs=24576,
+                eval_prompts=48, eval_prompt_len=64, eval_gen=160, eval_stride=4,
+                eval_max_anchors=768, measure_prompts=8, measure_max_tokens=128,
+                b1_prompts=4, max_files=None, tok_bytes=4_000_000,
+                budgets=(8, 16, 32, 64, 128, 256), d_init="random"),
     # CPU smoke run of the whole pipeline (minutes on 2 cores)
     "tiny": dict(vocab=1024, hidden=128, inter=256, layers=4, heads=2, kv_heads=1,
                  head_dim=64, seq=128, batch=8, lr=3e-3,
@@ -371,7 +382,9 @@ def distinct_ngrams(seqs: torch.Tensor, start: int, n: int = 4) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke sizes")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke sizes (--preset tiny)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="gpu (default), cpu (a long CPU run), tiny (smoke)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target-seconds", type=float, default=None)
     ap.add_argument("--gen-seconds", type=float, default=None)
@@ -393,7 +406,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a preset value, e.g. --set layers=8")
     args = ap.parse_args(argv)
-    p = dict(PRESETS["tiny" if args.tiny else "gpu"])
+    preset = args.preset or ("tiny" if args.tiny else "gpu")
+    args.tiny = preset == "tiny"
+    p = dict(PRESETS[preset])
     for kv in args.set:
         k, v = kv.split("=", 1)
         if k not in p:
@@ -415,7 +430,7 @@ def main(argv=None) -> int:
     tdir, ddir = pdir / "target", pdir / "drafter"
     tdir.mkdir(parents=True, exist_ok=True)
     clock = Clock()
-    res = {"preset": "tiny" if args.tiny else "gpu", "params": p, "seconds": secs,
+    res = {"preset": preset, "params": p, "seconds": secs,
            "max_steps": steps,
            "seed": args.seed, "device": str(dev), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None}
@@ -428,7 +443,7 @@ def main(argv=None) -> int:
 
     # corpus + tokenizer
     t = time.perf_counter()
-    site = (args.corpus or ("stdlib" if args.tiny else "stdlib+site")) == "stdlib+site"
+    site = (args.corpus or ("stdlib+site" if preset == "gpu" else "stdlib")) == "stdlib+site"
     texts, files = corpus.load_corpus(site, args.heldout_frac, args.seed, 400_000,
                                       p["max_files"], int(args.site_mb * 1e6))
     record = corpus.corpus_record(files, site, args.seed, args.heldout_frac)
