@@ -6,6 +6,7 @@ Prints a table.
     python bench/arms_sim.py                      # runs 12 and 21's step times
     python bench/arms_sim.py --tree-ms 9 --chain-ms 7 --seeds 24
     python bench/arms_sim.py --tree-ms 30.3 --chain-ms 29.7 --budget 16
+    python bench/arms_sim.py --tree-ms 35.36 --chain-ms 34.45 --budget 16 --requests 4
     python bench/arms_sim.py --min-rows 1      # the chain may lead from the first rows
     python bench/arms_sim.py --switch-ms 5     # a switch of arms costs 5 ms more
     python bench/arms_sim.py --z 2             # the chain leads only past 2 standard errors
@@ -46,8 +47,10 @@ PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
 # ms per step (timeline medians), tree / chain of 15, the tree's budget, requests; V2,
 # 0.33.0 (bench/RESULTS.md): 8B shape on the H200 (run 12), 27B shape on the H100
 # (run 21, ddtree16autoasync's steady steps)
+# (run 21, 4 requests: ddtree16async's and chain15async's steady steps, round 2: the arms
+# at every batch size where B <= C + 1, step_bench's ddtree16every, #29)
 STEP_MS = {"8B, 1": (8.33, 6.98, 64, 1), "8B, 2": (8.5, 7.18, 32, 2),
-           "27B, 1": (30.3, 29.7, 16, 1)}
+           "27B, 1": (30.3, 29.7, 16, 1), "27B, 4": (35.36, 34.45, 16, 4)}
 
 
 def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None,
@@ -97,13 +100,15 @@ def main() -> None:
                     help="added to a step whose arm differs from the step before's")
     ap.add_argument("--budget", type=int, default=B,
                     help="the tree's budget with --tree-ms / --chain-ms (default 64)")
+    ap.add_argument("--requests", type=int, default=1,
+                    help="requests per step with --tree-ms / --chain-ms")
     ap.add_argument("--z", type=float, default=arms.Z,
                     help="the chain leads where it leads by this many standard errors")
     ap.add_argument("--min-rows", type=int, default=arms.MIN_ROWS,
                     help="and only once this many paired rows are in")
     a = ap.parse_args()
     arms.Z, arms.MIN_ROWS = a.z, a.min_rows
-    times = {"given": (a.tree_ms, a.chain_ms, a.budget, 1)} if a.tree_ms and a.chain_ms \
+    times = {"given": (a.tree_ms, a.chain_ms, a.budget, a.requests)} if a.tree_ms and a.chain_ms \
         else STEP_MS
     lens = [int(x) for x in a.steps.split(",")]
     pools = {(b, p): _tree_step(3, 1500, L, V, b, probs)
