@@ -608,6 +608,29 @@ def test_the_choice_keeps_up_with_the_faster_arm_in_short_cells():
         assert statistics.mean(got) / statistics.mean(best) >= floor, (prof, got, best)
 
 
+def test_the_choice_keeps_up_at_four_requests():
+    """The arms at 4 requests (step_bench's ddtree16every: B <= C + 1, so B at every
+    batch size), run 21's 4-request step times (tree of 16: 35.36 ms, chain of 15:
+    34.45): four rows a tree step, the choice within 2.5 % of the faster arm at p60 (the
+    tree's cell) and p90 (the chain's) over a p90 cell's 35 steps."""
+    import statistics
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import arms_sim
+
+    mt, mc, b, reqs = arms_sim.STEP_MS["27B, 4"]
+    for prof in ("p60", "p90"):
+        pool = _tree_step(3, 600, arms_sim.L, arms_sim.V, b, arms_sim.PROFILES[prof])
+        got, best = [], []
+        for seed in range(4):
+            got.append(arms_sim.play(pool, 35, seed, mt, mc, reqs=reqs, B=b)[0])
+            best.append(max(arms_sim.play(pool, 35, seed, mt, mc, fixed=k, reqs=reqs, B=b)[0]
+                            for k in (b, arms_sim.C)))
+        assert statistics.mean(got) / statistics.mean(best) >= 0.975, (prof, got, best)
+
+
 def test_paired_counts_shorten_the_calibration():
     """With the worker half in this process (an ArmExpect exists), each arm needs
     MIN_PAIRED measured steps before the choice, not MIN_STEPS (the tree's steps give
