@@ -15,7 +15,8 @@
 # step, STEP_CONFIGS one process each), startup (engine start-up, #29), grammar (host cost of
 # structured-output masks, #32), e2e (27B-shape step phases and end-to-end
 # tokens/s, step_bench.py; not run yet).  VERIFY=0: apply without `verify`.
-# Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows.
+# Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows (IEEE_ROWS: fp32ieee's extra
+# row flags, default "--features-row --grammar-row --json-row").
 # A fresh machine compiles vLLM's Triton kernels at its first engine start (~150 s for
 # the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
 # give the first engine stage that time (run 14's eq and step calls timed out on it).
@@ -138,7 +139,7 @@ for s in ${STAGES:-install apply tests eq}; do
       stamp fp32 ieee
       TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee VLLM_USE_V2_MODEL_RUNNER=1 \
         timeout $(left ${T_FP32:-300}) python3 bench/gpu/equality_v2.py "$OUT/fp32_v2_ieee" \
-        --graphs --attn TRITON_ATTN --features-row --grammar-row --json-row > "$OUT/fp32_v2_ieee.txt" 2>&1; echo "rc=$?"
+        --graphs --attn TRITON_ATTN ${IEEE_ROWS:---features-row --grammar-row --json-row} > "$OUT/fp32_v2_ieee.txt" 2>&1; echo "rc=$?"
       grep -E "PASS|FAIL|RESULT|Traceback|Error|DIFF" "$OUT/fp32_v2_ieee.txt" | cut -c1-300 | tail -12 ;;
     startup)  # issue 29: engine start-up, DDTree's V2 default vs DFlash at the same
       # max_num_seqs, vLLM's capture sizes (startup_bench.py; 8B shape unless BENCH_SHAPE;
