@@ -402,7 +402,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target-from", default=None, metavar="DIR",
                     help="reuse the target (and tokenizer) of an earlier run's OUT "
                          "instead of training one: several drafters for one target, or "
-                         "a drafter trained over several device calls")
+                         "a drafter trained in a later call than its target")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a preset value, e.g. --set layers=8")
     args = ap.parse_args(argv)
@@ -478,7 +478,8 @@ def main(argv=None) -> int:
     if src is not None:  # an earlier run's target: its recipe and curve come along
         target, tp = load_target(src, dev)
         res["target_reused_from"] = str(src)
-        prev = json.load(open(Path(args.target_from) / "train.json"))
+        prev_file = Path(args.target_from) / "train.json"  # absent if that run was cut
+        prev = json.load(open(prev_file)) if prev_file.exists() else {}
         for k in ("target_train", "target_params_count"):
             res[k] = prev.get(k)
     else:
