@@ -406,6 +406,10 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a preset value, e.g. --set layers=8")
     args = ap.parse_args(argv)
+    if args.target_from and not all((Path(args.target_from) / f).exists() for f in (
+            "corpus.json", "pair/target/config.json", "pair/target/tiny_model.json")):
+        ap.error(f"--target-from {args.target_from}: no saved target there "
+                 "(corpus.json, pair/target/)")
     preset = args.preset or ("tiny" if args.tiny else "gpu")
     args.tiny = preset == "tiny"
     p = dict(PRESETS[preset])
