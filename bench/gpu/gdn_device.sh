@@ -50,6 +50,14 @@
 # ddtree16autoasync ddtree16async" (does the new choice come within 2 % of the fixed tree?),
 # then the 8B shape the same way (E2E_SHAPE=qwen3_8b: #29's own shape); fp32ieee once
 # (its new JSON row, #32: JSON schemas with a byte-level BPE tokenizer, never run on a GPU).
+# Run 22 (H100; 8 minutes, no machine for an hour) did b1; install apply fp32ieee
+# (IEEE_ROWS="--json-row --grammar-row": JSON 8/8); e2e round 1 with chain15async and
+# ddtree16everyasync (the arms at every batch size: 1.18 / 1.04 / 1.03 at 4 requests).
+# Next: b1; install apply (VERIFY=0); e2e rounds 1-3, E2E_CONFIGS="chain15async
+# ddtree16autoasync ddtree16async ddtree16everyasync" (same-call: the choice vs the fixed
+# tree, and the arms everywhere); startup with a schedule of [[1, 65536, 16]] at
+# max_num_seqs 16 (the cost of both arms' graphs); #31: bench/realpair/run.sh STAGES=trainbg
+# in call 1 (it shares the GPU: only installs / equality beside it), "wait measure" later.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
