@@ -22,7 +22,7 @@ HOOKS = {  # text each patched file must contain exactly once
     v0_32.VLLM: ["ddtree_vllm_config(self)", "'DDTree tree speculative decoding'"],
     v0_32.RUNNER: ["DDTreeProposer(self.vllm_config", "make_runtime(self)",
                    "self.ddtree.prepare(", "self.ddtree.attach(", "self.ddtree.attach_dummy(",
-                   "self.ddtree.commit("],
+                   "self.ddtree.commit(", "num_drafter_query_tokens = self.ddtree.depth + 1"],
     v0_32.INPUT: ["validate_request(params, self.speculative_config)"],
     v0_32.SAMPLING: ["return  # DDTree checks its request features itself"],
     v0_32.CPU_ATTN: ["return tree_attention("],
@@ -71,6 +71,7 @@ def test_method_literal_and_fields(pristine):
 @pytest.mark.parametrize("edit,anchor", [
     (v0_32.SAMPLER_RUNNER_EDIT, "self.input_batch.block_table.compute_slot_mapping("),
     (v0_32.SAMPLER_RUNNER_EDIT, "sampler_output = self._sample(logits, spec_decode_metadata)"),
+    (v0_32.SAMPLER_RUNNER_EDIT, "num_drafter_query_tokens = self.num_spec_tokens"),
     (v0_32.PROPOSER_RUNNER_EDIT, "self.drafter = DFlashProposer(self.vllm_config, self.device, self)"),
     (v0_32.CPU_ATTN_EDIT, "ops.cpu_attention_with_kv_cache("),
     (v0_32.FLASH_EDIT, "num_actual_tokens = attn_metadata.num_actual_tokens"),

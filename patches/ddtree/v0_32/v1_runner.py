@@ -205,12 +205,21 @@ DRAFT_TREES = hook("GPUModelRunner.take_draft_token_ids",
                    guard=RUNTIME, before=True,
                    at=lambda c: c.strip() == "return DraftTokenIds(req_ids, draft_token_ids)")
 
+# vLLM runs the drafter only where max_seq_len + num_spec_tokens (+ 1: DFlash's bonus
+# query) fits max_model_len, else it hands the scheduler zeros; DDTree's num_spec_tokens
+# is the tree's B while its drafter queries L + 1 rows, so a tree of B nodes lost every
+# draft once context + 2 (B + 1) passed max_model_len (#31: bench/realpair/headroom.py)
+FITS_DRAFTER = hook("GPUModelRunner._input_fits_in_drafter",
+                    "num_drafter_query_tokens = self.ddtree.depth + 1  # L + 1, not B + 1",
+                    guard=RUNTIME,
+                    at=lambda c: "num_drafter_query_tokens = self.num_spec_tokens" in c)
+
 SAMPLER_RUNNER_EDIT = file_edit(RUNNER, [
     runtime_step("v1.cuda.make_runtime"), PREPARE, ATTACH, ATTACH_DUMMY, COMMIT,
-    DRAFT_TREES,
+    DRAFT_TREES, FITS_DRAFTER,
 ], "tree sampler, tree positions, tree attention metadata (also for CUDA-graph "
-   "capture), path commit, the drafts' trees for the scheduler; the CUDA runtime on "
-   "GPUs, the CPU one on CPUs")
+   "capture), path commit, the drafts' trees for the scheduler, the drafter's query "
+   "count in its max_model_len check; the CUDA runtime on GPUs, the CPU one on CPUs")
 
 CPU_ATTN_EDIT = file_edit(CPU_ATTN, [
     hook("CPUAttentionBackendImpl.forward",
