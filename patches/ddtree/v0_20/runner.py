@@ -39,7 +39,7 @@ VLLM_EDIT = file_edit(VLLM, [v0_32.VLLM_POST_INIT],
 
 PROPOSER_RUNNER_EDIT = v0_32.PROPOSER_RUNNER_EDIT
 
-SAMPLER_RUNNER_EDIT = v0_32.SAMPLER_RUNNER_EDIT
+SAMPLER_RUNNER_EDIT = v0_32.SAMPLER_RUNNER_EDIT_0_20
 
 # 0.20.x keeps K and V apart: [2, blocks, block_size, heads, D]; the drafter's
 # (non-causal) metadata goes through the same backend, so only causal rows are hooked

@@ -214,12 +214,19 @@ FITS_DRAFTER = hook("GPUModelRunner._input_fits_in_drafter",
                     guard=RUNTIME,
                     at=lambda c: "num_drafter_query_tokens = self.num_spec_tokens" in c)
 
-SAMPLER_RUNNER_EDIT = file_edit(RUNNER, [
-    runtime_step("v1.cuda.make_runtime"), PREPARE, ATTACH, ATTACH_DUMMY, COMMIT,
-    DRAFT_TREES, FITS_DRAFTER,
-], "tree sampler, tree positions, tree attention metadata (also for CUDA-graph "
-   "capture), path commit, the drafts' trees for the scheduler, the drafter's query "
-   "count in its max_model_len check; the CUDA runtime on GPUs, the CPU one on CPUs")
+SAMPLER_RUNNER_STEPS = [runtime_step("v1.cuda.make_runtime"), PREPARE, ATTACH,
+                        ATTACH_DUMMY, COMMIT, DRAFT_TREES]
+SAMPLER_RUNNER_WHAT = ("tree sampler, tree positions, tree attention metadata (also for "
+                       "CUDA-graph capture), path commit, the drafts' trees for the "
+                       "scheduler")
+# 0.20.x checks the drafter's fit inline (no _input_fits_in_drafter): its edit has the rest
+SAMPLER_RUNNER_EDIT_0_20 = file_edit(
+    RUNNER, SAMPLER_RUNNER_STEPS,
+    SAMPLER_RUNNER_WHAT + "; the CUDA runtime on GPUs, the CPU one on CPUs")
+SAMPLER_RUNNER_EDIT = file_edit(
+    RUNNER, SAMPLER_RUNNER_STEPS + [FITS_DRAFTER],
+    SAMPLER_RUNNER_WHAT + ", the drafter's query count in its max_model_len check; the "
+    "CUDA runtime on GPUs, the CPU one on CPUs")
 
 CPU_ATTN_EDIT = file_edit(CPU_ATTN, [
     hook("CPUAttentionBackendImpl.forward",
