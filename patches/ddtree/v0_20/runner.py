@@ -39,7 +39,11 @@ VLLM_EDIT = file_edit(VLLM, [v0_32.VLLM_POST_INIT],
 
 PROPOSER_RUNNER_EDIT = v0_32.PROPOSER_RUNNER_EDIT
 
-SAMPLER_RUNNER_EDIT = v0_32.SAMPLER_RUNNER_EDIT_0_20
+# 0.20.x checks the drafter's fit inline (no _input_fits_in_drafter): 0.32's steps but
+# FITS_DRAFTER
+SAMPLER_RUNNER_EDIT = file_edit(
+    v0_32.RUNNER, v0_32.SAMPLER_RUNNER_STEPS,
+    v0_32.SAMPLER_RUNNER_WHAT + "; the CUDA runtime on GPUs, the CPU one on CPUs")
 
 # 0.20.x keeps K and V apart: [2, blocks, block_size, heads, D]; the drafter's
 # (non-causal) metadata goes through the same backend, so only causal rows are hooked

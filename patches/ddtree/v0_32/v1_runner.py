@@ -219,10 +219,6 @@ SAMPLER_RUNNER_STEPS = [runtime_step("v1.cuda.make_runtime"), PREPARE, ATTACH,
 SAMPLER_RUNNER_WHAT = ("tree sampler, tree positions, tree attention metadata (also for "
                        "CUDA-graph capture), path commit, the drafts' trees for the "
                        "scheduler")
-# 0.20.x checks the drafter's fit inline (no _input_fits_in_drafter): its edit has the rest
-SAMPLER_RUNNER_EDIT_0_20 = file_edit(
-    RUNNER, SAMPLER_RUNNER_STEPS,
-    SAMPLER_RUNNER_WHAT + "; the CUDA runtime on GPUs, the CPU one on CPUs")
 SAMPLER_RUNNER_EDIT = file_edit(
     RUNNER, SAMPLER_RUNNER_STEPS + [FITS_DRAFTER],
     SAMPLER_RUNNER_WHAT + ", the drafter's query count in its max_model_len check; the "
