@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.."
 bundle=${1:?usage: pack_calls.sh BUNDLE_DIR [OVERLAY_DIR]}
 overlay=${2:-}
 limit=$((64 * 1024 * 1024 - 512 * 1024))   # a little headroom
-repo=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- | tail -1 | cut -f1)
+repo=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1 || true)  # deleted tracked files: du complains, the sum holds
 ov=0; [ -n "$overlay" ] && ov=$(du -sb "$overlay" | cut -f1)
 for f in part_aa part_ab SHA256SUMS VLLM_VERSION install_remote.sh; do
   [ -f "$bundle/$f" ] || { echo "pack_calls: $bundle/$f missing" >&2; exit 2; }

@@ -145,7 +145,32 @@ def train_lines(t: dict) -> list[str]:
         "  chain accept per depth: " + " ".join(f"{x:.2f}" for x in oa["chain_accept_per_depth"]),
         "  drafter p(target token) per depth: "
         + " ".join(f"{x:.2f}" for x in oa["p_true_per_depth"]),
-    ] + sibling_lines(oa)
+    ] + decode_lines(oa, "T=0") + t1_lines(t) + sibling_lines(oa)
+
+
+def decode_lines(oa: dict, temp: str) -> list[str]:
+    """Tau along whole decodes (tokens / steps, what an engine measures), per budget."""
+    tr = oa.get("trajectory")
+    if not tr:
+        return []
+    taus = {k: v["tau"] for k, v in tr.items() if isinstance(v, dict) and "tau" in v}
+    chain = taus.pop("chain", None)
+    return [f"  as decodes ({temp}, {tr['prompts']} prompts x {tr['max_tokens']} tokens): "
+            + (f"chain tau {chain:.2f}, " if chain is not None else "") + "DDTree "
+            + ", ".join(f"B={b} {v:.2f}" for b, v in taus.items())]
+
+
+def t1_lines(t: dict) -> list[str]:
+    """Offline at T = 1: the same acceptance on the target's sampled continuations."""
+    o1 = t.get("offline_acceptance_t1")
+    if not o1:
+        return []
+    if "error" in o1:
+        return [f"offline (T=1): failed: {o1['error']}"]
+    return [f"offline (T=1, {o1['anchors']} anchors): chain tau {o1['chain_tau']:.2f}, "
+            "DDTree tau " + ", ".join(f"B={b} {v['tau']:.2f}" for b, v in o1["tree"].items()),
+            "  top-1 per depth: " + " ".join(f"{x:.2f}" for x in o1["top1_per_depth"])
+            ] + decode_lines(o1, "T=1")
 
 
 def _pct(x):

@@ -202,19 +202,29 @@ def load_target(tdir: Path, dev):
 # ------------------------------------------------------------------ generation
 
 @torch.no_grad()
-def greedy(model, prompts: torch.Tensor, n_new: int, dev) -> torch.Tensor:
-    """prompts [B, P] -> [B, P + n_new] greedy (KV cache, bf16 autocast on CUDA)."""
+def greedy(model, prompts: torch.Tensor, n_new: int, dev, temperature: float = 0.0,
+           seed: int = 0) -> torch.Tensor:
+    """prompts [B, P] -> [B, P + n_new]: greedy, or sampled at ``temperature`` > 0 from
+    a seeded generator (KV cache, bf16 autocast on CUDA)."""
     model.eval()
     x = prompts.to(dev).long()
+    g = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+
+    def pick(logits):
+        if g is None:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / temperature, -1)
+        return torch.multinomial(probs, 1, generator=g).squeeze(-1)
+
     with autocast(dev):
         out = model(input_ids=x, use_cache=True, logits_to_keep=1)
         past = out.past_key_values
-        nxt = out.logits[:, -1].argmax(-1)
+        nxt = pick(out.logits[:, -1])
         toks = [nxt]
         for _ in range(n_new - 1):
             out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
             past = out.past_key_values
-            nxt = out.logits[:, -1].argmax(-1)
+            nxt = pick(out.logits[:, -1])
             toks.append(nxt)
     return torch.cat([x, torch.stack(toks, 1)], 1)
 
@@ -553,6 +563,18 @@ def main(argv=None) -> int:
         "distinct_4grams": round(distinct_ngrams(seqs, p["eval_prompt_len"]), 4)}
     res["offline_acceptance"] = evaluate(drafter, target, cap, seqs, p["eval_prompt_len"],
                                          p, dev, mask_id)
+    # T = 1: a sampled continuation is what a tree walk at T = 1 verifies against (each
+    # node's target sample must be a child), so the same acceptance on target samples
+    try:
+        seqs1 = greedy(target, prompts, p["eval_gen"], dev, temperature=1.0,
+                       seed=args.seed + 5).cpu()
+        res["offline_acceptance_t1"] = evaluate(drafter, target, cap, seqs1,
+                                                p["eval_prompt_len"], p, dev, mask_id)
+        log("offline acceptance at T = 1: chain tau",
+            round(res["offline_acceptance_t1"]["chain_tau"], 3))
+    except Exception as e:  # noqa: BLE001 - the T = 0 results must still be written
+        res["offline_acceptance_t1"] = {"error": repr(e)}
+        log("offline acceptance at T = 1 failed:", repr(e))
     cap.remove()
     oa = res["offline_acceptance"]
     log("offline acceptance: chain tau", round(oa["chain_tau"], 3), "tree tau",
