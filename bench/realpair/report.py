@@ -127,12 +127,16 @@ def train_lines(t: dict) -> list[str]:
     c, th, oa = t["corpus"], t["target_heldout"], t["offline_acceptance"]
     p = t["params"]
     tt, dt = t["target_train"], t["drafter_train"]
+    if tt is None:  # a target reused from a run that was cut before its train.json
+        tt = {"steps": "?", "seconds": "?", "tokens_per_s": "?"}
+    n_params = t.get("target_params_count")
+    n_params = "?" if n_params is None else f"{n_params / 1e6:.1f}"
     return [
         f"corpus: {c['files']} files ({c['train_files']} train / {c['heldout_files']} "
         f"held-out), {c['train_tokens']} train tokens, BPE vocab {c['tokenizer_vocab']}, "
         f"{c['bytes_per_token']} bytes/token",
         f"target: Qwen3 {p['layers']} layers x {p['hidden']} (GQA {p['heads']}/"
-        f"{p['kv_heads']}), {t['target_params_count'] / 1e6:.1f} M params, "
+        f"{p['kv_heads']}), {n_params} M params, "
         f"{tt['steps']} steps / {tt['seconds']} s ({tt['tokens_per_s']} tok/s); "
         f"held-out loss {th['loss']} (ppl {th['ppl']}, {th['bits_per_byte']} bits/byte)",
         f"drafter: DFlash {t['drafter']['layers']} layers, block {t['drafter']['block_size']},"

@@ -17,7 +17,8 @@
 #      GPU: PYTHON, VB, REFRESH_PAYLOAD=1 (copy this checkout's DDTree payload, and the
 #      GPU_PATCH overlay if given, into the install first, as bench/gpu/run_all.sh does).
 #      --tiny: VLLM_CPU_PYTHON (stock env, read-only), DEV_PYTHON (imports this checkout's
-#      ddtree_patcher; patches the env copy).
+#      ddtree_patcher; patches the env copy), CHECK_PYTHON (the check's env, default the
+#      patched copy; the stock env's python checks unpatched vLLM).
 # OUTDIR gets few files (the device returns at most 8): summary.txt, train.json,
 # corpus.json, measure.json, measure.png, results.tgz (logs, prompts, configs, walk stats).
 set -u
@@ -125,8 +126,11 @@ for s in $STAGES; do
       cp "$WORK/train.json" "$WORK/corpus.json" "$OUTDIR/" 2>/dev/null ;;
     check)
       if [ "$TINY" != 1 ]; then echo "check runs on vllm-cpu (--tiny) only"; continue; fi
-      stamp "check: drafter logits vs vLLM's qwen3_dflash ($STOCK)"
-      timeout "$(left 120)" "$STOCK" "$HERE/check_vllm.py" "$WORK/pair" \
+      # the patched copy: stock vllm-cpu serves 2+ layer drafters with layer 0's k_norm
+      # for every layer's context keys (fixed by the dflash-cpu-knorm transform)
+      CHECK_PY=${CHECK_PYTHON:-$PY}
+      stamp "check: drafter logits vs vLLM's qwen3_dflash ($CHECK_PY)"
+      timeout "$(left 120)" "$CHECK_PY" "$HERE/check_vllm.py" "$WORK/pair" \
         "$WORK/logs/check_vllm.json" > "$WORK/logs/check_log.txt" 2>&1
       echo "rc=$?"; tail -1 "$WORK/logs/check_log.txt" | cut -c1-400 ;;
     measure)

@@ -494,8 +494,8 @@ def main(argv=None) -> int:
         res["target_reused_from"] = str(src)
         prev_file = Path(args.target_from) / "train.json"  # absent if that run was cut
         prev = json.load(open(prev_file)) if prev_file.exists() else {}
-        for k in ("target_train", "target_params_count"):
-            res[k] = prev.get(k)
+        res["target_train"] = prev.get("target_train")  # None: that run was cut
+        res["target_params_count"] = sum(q.numel() for q in target.parameters())
     else:
         tp = pair.target_params(seed=args.seed, vocab_size=vocab, hidden_size=p["hidden"],
                                 intermediate_size=p["inter"], num_hidden_layers=p["layers"],
