@@ -108,7 +108,7 @@ for s in $STAGES; do
       # share the GPU with it: run only equality / installs beside it); `wait` ends it
       stamp "train in the background (target ${T_TARGET}s, data ${T_GEN}s, drafter ${T_DRAFT}s)"
       rm -rf "$WORK/src" && mkdir -p "$WORK/src" &&
-        cp -r "$ROOT/bench" "$ROOT/patches" "$ROOT/verify" "$WORK/src/" || exit 3
+        cp -r "$ROOT/bench" "$ROOT/patches" "$ROOT/verify" "$ROOT/ddtree_patcher" "$WORK/src/" || exit 3
       # shellcheck disable=SC2086
       setsid nohup "$PY" "$WORK/src/bench/realpair/train.py" "$WORK" --target-seconds "$T_TARGET" \
         --gen-seconds "$T_GEN" --drafter-seconds "$T_DRAFT" $TRAIN_ARGS \

@@ -413,9 +413,17 @@ def main(argv=None) -> int:
                     help="reuse the target (and tokenizer) of an earlier run's OUT "
                          "instead of training one: several drafters for one target, or "
                          "a drafter trained in a later call than its target")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="OUT already holds a trained pair (a run cut in its evaluation): "
+                         "load its target and drafter and run only the held-out "
+                         "evaluation (train.json, prompts.json)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a preset value, e.g. --set layers=8")
     args = ap.parse_args(argv)
+    if args.eval_only:
+        if not (Path(args.out) / "pair" / "drafter" / "model.safetensors").exists():
+            ap.error(f"--eval-only: no trained drafter in {args.out}/pair/drafter")
+        args.target_from = args.out
     if args.target_from and not all((Path(args.target_from) / f).exists() for f in (
             "corpus.json", "pair/target/config.json", "pair/target/tiny_model.json")):
         ap.error(f"--target-from {args.target_from}: no saved target there "
@@ -494,6 +502,13 @@ def main(argv=None) -> int:
         res["target_reused_from"] = str(src)
         prev_file = Path(args.target_from) / "train.json"  # absent if that run was cut
         prev = json.load(open(prev_file)) if prev_file.exists() else {}
+        if args.eval_only:  # the run's own record (written before its evaluation)
+            for k in ("distill_data", "drafter_train", "drafter", "params", "seconds"):
+                if k in prev:
+                    res[k] = prev[k]
+            p.update(res.get("params", {}))  # that run's recipe, then this call's --set
+            p.update({k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set)})
+            res["params"] = p
         res["target_train"] = prev.get("target_train")  # None: that run was cut
         res["target_params_count"] = sum(q.numel() for q in target.parameters())
     else:
@@ -515,8 +530,15 @@ def main(argv=None) -> int:
                                                     res["corpus"]["bytes_per_token"], 4)}
     log("target held-out", res["target_heldout"])
     target.float()
-    pair.save_target(target, tp, tdir, mask_id)
+    if not args.eval_only:
+        pair.save_target(target, tp, tdir, mask_id)
     clock.stage("target", t)
+    if args.eval_only:
+        drafter, dcfg_saved = pair.load_drafter(ddir, dev)
+        layer_ids = dcfg_saved["dflash_config"]["target_layer_ids"]
+        cap = pair.AuxCapture(target, layer_ids)
+        return evaluate_and_save(res, p, args, drafter, target, cap, held_stream,
+                                 held_starts, mask_id, tok, pdir, out, clock, dev)
 
     # the target's greedy continuations of train prompts
     t = time.perf_counter()
@@ -554,6 +576,15 @@ def main(argv=None) -> int:
                       "params": sum(q.numel() for q in drafter.parameters())}
     clock.stage("drafter", t)
 
+    corpus.dump(out / "train.json", res)  # the record so far (--eval-only reads it)
+    return evaluate_and_save(res, p, args, drafter, target, cap, held_stream, held_starts,
+                             mask_id, tok, pdir, out, clock, dev)
+
+
+def evaluate_and_save(res, p, args, drafter, target, cap, held_stream, held_starts,
+                      mask_id, tok, pdir, out, clock, dev) -> int:
+    """Held-out prompts, the target's continuations (T = 0 and T = 1), offline
+    acceptance; writes train.json and pair/prompts.json."""
     # held-out prompts: the target's greedy continuation, offline acceptance
     t = time.perf_counter()
     prompts = windows(held_stream, held_starts, p["eval_prompts"], p["eval_prompt_len"],
