@@ -146,12 +146,15 @@ def teardown(llm) -> None:
         pass
 
 
-def run_job(llm, prompts, batch: int, temp: float, max_tokens: int) -> dict:
+def run_job(llm, prompts, batch: int, temp: float, max_tokens: int,
+            gaps: bool = False) -> dict:
+    """One timed job; ``gaps``: ask for logprobs=2 and record each position's top-1 /
+    top-2 log-prob gap (no-spec's reference for telling near-ties from differences)."""
     from vllm import SamplingParams
 
     def sp(i):
         kw = dict(temperature=temp, max_tokens=max_tokens, ignore_eos=True,
-                  detokenize=False)
+                  detokenize=False, logprobs=2 if gaps else None)
         if temp > 0:
             kw["seed"] = 1000 + i
         return SamplingParams(**kw)
@@ -160,25 +163,32 @@ def run_job(llm, prompts, batch: int, temp: float, max_tokens: int) -> dict:
     outs = []
     t0 = time.perf_counter()
     if batch == 1:
+        done = []
         for i, p in enumerate(prompts):
-            o = llm.generate([{"prompt_token_ids": p}], sp(i), use_tqdm=False)
-            outs.append(list(o[0].outputs[0].token_ids))
+            done += llm.generate([{"prompt_token_ids": p}], sp(i), use_tqdm=False)
     else:
-        o = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                         [sp(i) for i in range(len(prompts))], use_tqdm=False)
-        outs = [list(x.outputs[0].token_ids) for x in o]
+        done = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [sp(i) for i in range(len(prompts))], use_tqdm=False)
     dt = time.perf_counter() - t0
+    outs = [list(x.outputs[0].token_ids) for x in done]
     m = delta(snapshot(llm), before)
     n_tok = sum(len(x) for x in outs)
     res = {"batch": batch, "temperature": temp, "prompts": len(prompts),
            "tokens": n_tok, "seconds": round(dt, 4), "tok_per_s": round(n_tok / dt, 1),
            "metrics": m, "token_ids": outs}
+    if gaps:
+        res["gaps"] = [[_gap(step) for step in (x.outputs[0].logprobs or [])] for x in done]
     if m.get("drafts"):
         res["tau"] = round(1 + m["accepted"] / m["drafts"], 4)
         res["accept_per_depth"] = [round(x / m["drafts"], 4) for x in m["per_pos"]]
     elif "error" not in m:
         res["tau"] = 1.0
     return res
+
+
+def _gap(step) -> float:
+    v = sorted((x.logprob for x in step.values()), reverse=True)
+    return round(v[0] - v[1], 6) if len(v) > 1 else float("inf")
 
 
 def _set_stats(path):
@@ -205,9 +215,13 @@ def walk_stats(llm, prompts, max_tokens, path: str) -> dict:
         return json.load(f)
 
 
-def equality(res: dict, batches) -> dict:
+def equality(res: dict, batches, tie: float = 0.25) -> dict:
+    """Greedy outputs vs no-spec per job: equal, and each first difference with
+    no-spec's top-1 / top-2 gap there where it was recorded (``ties``: gap < ``tie``,
+    bf16's criterion as in bench/gpu/equality_v2.py; fp32 runs pass 1e-3)."""
     out = {}
     ref = res.get("nospec", {}).get("jobs", {})
+    ref_gaps = res.get("nospec", {}).get("gaps", {})
     for n in batches:
         key = f"b{n}_t0"
         base = ref.get(key, {}).get("token_ids")
@@ -219,8 +233,18 @@ def equality(res: dict, batches) -> dict:
                 continue
             first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                      for x, y in zip(base, got)]
-            out[f"{name}_{key}"] = {"equal": sum(f is None for f in first),
-                                    "of": len(first), "first_mismatch": first}
+            e = out[f"{name}_{key}"] = {"equal": sum(f is None for f in first),
+                                        "of": len(first), "first_mismatch": first}
+            g = ref_gaps.get(key)
+            if g:
+                at = [None if f is None or i >= len(g) or f >= len(g[i]) else g[i][f]
+                      for i, f in enumerate(first)]
+                e["gap_at_mismatch"] = at
+                e["ties"] = sum(f is not None and a is not None and a < tie
+                                for f, a in zip(first, at))
+                e["diffs"] = sum(f is not None and (a is None or a >= tie)
+                                 for f, a in zip(first, at))
+                e["tie_gap"] = tie
     b1 = ref.get("b1_t0", {}).get("token_ids")
     for n in batches:
         bn = ref.get(f"b{n}_t0", {}).get("token_ids")
@@ -276,7 +300,8 @@ def main(argv=None) -> int:
     res: dict = {}
 
     def save():
-        doc = {"meta": meta, "configs": res, "equality": equality(res, batches)}
+        doc = {"meta": meta, "configs": res,
+               "equality": equality(res, batches, 0.25 if cuda else 1e-3)}
         tmp = out / "measure.json.tmp"
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, out / "measure.json")
@@ -302,6 +327,13 @@ def main(argv=None) -> int:
                     j = r["jobs"][key]
                     log(name, key, "tau", j.get("tau"), "tok/s", j["tok_per_s"])
                     save()
+            if spec["kind"] == "nospec" and 0.0 in temps:  # untimed: the top-2 gaps
+                r["gaps"] = {}
+                for n in batches:
+                    ps = prompts[: args.b1_prompts] if n == 1 else prompts[:n]
+                    r["gaps"][f"b{n}_t0"] = run_job(llm, ps, n, 0.0, args.max_tokens,
+                                                    gaps=True)["gaps"]
+                save()
             if spec["kind"] == "ddtree":
                 r["walk_stats"] = walk_stats(llm, prompts[: args.b1_prompts],
                                              args.max_tokens,

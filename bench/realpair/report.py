@@ -36,11 +36,16 @@ def table(doc: dict) -> str:
             cells += [f"{x['tau']:.2f}" if x and x.get("tau") is not None else "-",
                       f"{x['tok_per_s']:.0f}" if x else "-"]
         e = [f"{k[len(name) + 1:].split('_')[0]} {v['equal']}/{v['of']}"
+             + (f" ({v['ties']} near-ties, {v['diffs']} diffs)" if "ties" in v else "")
              for k, v in eq.items() if k.startswith(name + "_b")]
         note = " ".join(e) if e else ("(reference)" if name == "nospec" else "-")
         if "error" in r:
             note += " ERROR: " + r["error"].strip().splitlines()[-1][:80]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {note} |")
+    tie = next((v["tie_gap"] for v in eq.values() if "tie_gap" in v), None)
+    if tie is not None:
+        lines.append(f"near-tie: the first difference sits where no-spec's top-1 / top-2 "
+                     f"log-prob gap is < {tie:g} (bf16 0.25, fp32 1e-3); diffs: any other")
     for k, v in eq.items():
         if k.startswith("nospec_b1_vs"):
             lines.append(f"nospec batch 1 vs batch N greedy (numeric baseline): "

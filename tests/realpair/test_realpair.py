@@ -218,3 +218,18 @@ def test_rank_probs_are_the_truths_rank_histogram():
     s = accept.summarize(accept.per_anchor(lp.unsqueeze(0), truth.unsqueeze(0), [4]), [4])
     assert [r[:3] for r in s["rank_probs_per_depth"]] == [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
     assert s["rank_probs"] == [round(1 / 3, 4)] * 3 + [0.0] * 5
+
+
+def test_equality_tells_near_ties_from_differences():
+    import measure
+
+    ref = {"jobs": {"b1_t0": {"token_ids": [[1, 2, 3], [4, 5, 6], [7, 8, 9]]}},
+           "gaps": {"b1_t0": [[1.0, 0.1, 1.0], [1.0, 1.0, 0.9], [2.0, 2.0, 2.0]]}}
+    got = {"jobs": {"b1_t0": {"token_ids": [[1, 9, 9], [4, 5, 0], [7, 8, 9]]}}}
+    e = measure.equality({"nospec": ref, "ddtree64": got}, [1], tie=0.25)["ddtree64_b1_t0"]
+    assert e["equal"] == 1 and e["first_mismatch"] == [1, 2, None]
+    assert e["gap_at_mismatch"] == [0.1, 0.9, None]
+    assert (e["ties"], e["diffs"]) == (1, 1)
+    # without recorded gaps every difference stays unclassified (no tie counted)
+    e = measure.equality({"nospec": {"jobs": ref["jobs"]}, "x": got}, [1])["x_b1_t0"]
+    assert "ties" not in e and e["equal"] == 1
