@@ -91,3 +91,81 @@ def test_vllm_admission_on_tree_confidences_keeps_the_best_nodes(version):
             cap = t.num_nodes.to(torch.int32).clone()
             assign(conf, torch.arange(n), cap, total, conf.shape[1])
             assert cap.tolist() == admit(t.scores, t.num_nodes, total).tolist(), (seed, total)
+
+
+# ---- choose_total: the batch-wide budget's choice, given trees and step costs
+
+from ddtree_patcher.patches.ddtree.payload.core.batch_budget import (  # noqa: E402
+    choose_total, cost_of_table)
+from ddtree_patcher.patches.ddtree.payload.core.budget import CostTable  # noqa: E402
+
+
+def sure_and_unsure(L=8, V=64, B=16):
+    """Request 0's drafter is sure at every depth (p ~ 0.95), request 1's is flat."""
+    sure = torch.full((L, V), -9.0)
+    sure[:, 0] = 3.0
+    flat = torch.zeros(L, V)
+    flat[:, :4] = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    flat[:, 4:] = -30.0
+    return build_tree(torch.stack([sure, flat]).log_softmax(-1), torch.tensor([B, B]), B,
+                      backend="torch", topk="torch")
+
+
+def test_a_sure_request_gets_a_chain_an_unsure_one_siblings():
+    t = sure_and_unsure()
+    pick = choose_total(t.scores, t.depths, t.num_nodes, [10], lambda n, rows: 1.0)
+    c0, c1 = pick.counts.tolist()
+    assert c0 + c1 == 10
+    kept0 = t.depths[0, :c0].tolist()
+    assert kept0 == list(range(1, c0 + 1)), "the sure request keeps a chain"
+    assert c0 >= 6 and c1 >= 1
+    assert all(d == 1 for d in t.depths[1, :c1].tolist()[:3]), "the unsure one: siblings"
+
+
+def test_expected_tokens_are_the_admitted_path_probabilities():
+    t = trees(3)
+    for total in (0, 7, 20, 44):
+        pick = choose_total(t.scores, t.depths, t.num_nodes, [total], lambda n, r: 1.0)
+        counts = admit(t.scores, t.num_nodes, total)
+        assert torch.equal(pick.counts, counts)
+        live = torch.arange(t.scores.shape[1]) < counts.view(-1, 1)
+        want = t.scores.shape[0] + float(torch.where(live, t.scores.exp(), 0.0).sum())
+        assert pick.expected_tokens == pytest.approx(want, rel=1e-5)
+    # a calibration of c_d = 0.5 halves every depth's expected acceptance
+    half = torch.full((6,), 0.5)
+    p1 = choose_total(t.scores, t.depths, t.num_nodes, [20], lambda n, r: 1.0)
+    p2 = choose_total(t.scores, t.depths, t.num_nodes, [20], lambda n, r: 1.0, calib=half)
+    n = t.scores.shape[0]
+    assert p2.expected_tokens - n == pytest.approx(0.5 * (p1.expected_tokens - n), rel=1e-5)
+
+
+def test_the_choice_is_the_brute_force_best_over_the_totals():
+    t = trees(5)
+    totals = [0, 4, 8, 16, 24, 32, 48]
+    for cost in (lambda n, rows: 1.0,                       # free rows: the most nodes
+                 lambda n, rows: 1.0 + 0.2 * rows,           # steep: few nodes
+                 lambda n, rows: 5.0 + 0.01 * rows ** 1.5):  # in between
+        pick = choose_total(t.scores, t.depths, t.num_nodes, totals, cost)
+        each = [choose_total(t.scores, t.depths, t.num_nodes, [x], cost) for x in totals]
+        best = max(c.tokens_per_ms for c in each)
+        assert pick.tokens_per_ms == pytest.approx(best)
+        assert pick.total == min(c.total for c in each
+                                 if c.tokens_per_ms >= best * (1 - 1e-9))
+    free = choose_total(t.scores, t.depths, t.num_nodes, totals, lambda n, r: 1.0)
+    steep = choose_total(t.scores, t.depths, t.num_nodes, totals, lambda n, r: 1.0 + r)
+    assert free.total == 48 and steep.total == 0
+
+
+def test_costs_from_a_measured_table_and_bad_input():
+    table = CostTable({1: {17: 10.0, 65: 12.0}, 4: {17: 11.0, 65: 16.0}})
+    cost = cost_of_table(table)
+    assert cost(4, 4 * 17) == pytest.approx(11.0)
+    assert cost(4, 4 * 41) == pytest.approx(13.5)
+    t = trees(1)
+    pick = choose_total(t.scores, t.depths, t.num_nodes, [16, 64], cost)
+    assert pick.total in (16, 64) and pick.cost_ms == pytest.approx(
+        cost(t.scores.shape[0], t.scores.shape[0] + pick.total))
+    with pytest.raises(ValueError, match="no candidate"):
+        choose_total(t.scores, t.depths, t.num_nodes, [], cost)
+    with pytest.raises(ValueError, match="negative"):
+        choose_total(t.scores, t.depths, t.num_nodes, [-1], cost)
