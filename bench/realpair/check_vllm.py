@@ -8,6 +8,14 @@ transformers and compares the logits.  Also checks that vLLM's greedy output wit
 DFlash equals transformers' greedy continuation (prompts.json "hf_greedy").
 
     python bench/realpair/check_vllm.py PAIR_DIR OUT.json [--prompts N] [--max-tokens N]
+        [--method ddtree --budget B] [--dtype bfloat16]
+
+--method ddtree: the same record and recomputation for DDTree's drafter calls (L mask
+queries after the bonus; the tree built from them), so a drafter context that the tree
+path corrupts (rows of the accepted path, positions, KV) shows as logit differences
+where the chain's calls agree.  On a GPU (torch.cuda) vLLM runs there (--dtype, default
+bfloat16, FLASH_ATTN; compare argmax mismatches, the logit tolerance is fp32's) and the
+reference on the CPU in fp32.
 
 Exit 0 when every recorded call agrees (max |logit diff| <= --atol + --rtol * max
 |logit|) and every draft token (argmax) matches; 1 otherwise.
@@ -55,15 +63,26 @@ def _install_hooks(worker):
     return type(d).__name__
 
 
-def run_vllm(pair_dir: Path, prompts, max_tokens: int, k: int):
+def run_vllm(pair_dir: Path, prompts, max_tokens: int, k: int, method: str = "dflash",
+             budget: int = 0, dtype: str = "float32"):
+    import torch
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(pair_dir / "target"), skip_tokenizer_init=True, dtype="float32",
-              enforce_eager=True, max_model_len=512, seed=0, enable_prefix_caching=False,
-              distributed_executor_backend="uni",
-              speculative_config={"method": "dflash", "model": str(pair_dir / "drafter"),
-                                  "num_speculative_tokens": k})
-    assert llm.collective_rpc(_install_hooks)[0] == "DFlashProposer"
+    n_spec = budget if method == "ddtree" else k
+    kw = dict(model=str(pair_dir / "target"), skip_tokenizer_init=True, dtype=dtype,
+              enforce_eager=True, seed=0, enable_prefix_caching=False,
+              max_model_len=max(len(p) for p in prompts) + max_tokens + 2 * (n_spec + 1) + 64,
+              speculative_config={"method": method, "model": str(pair_dir / "drafter"),
+                                  "num_speculative_tokens": n_spec})
+    if torch.cuda.is_available():
+        kw.update(gpu_memory_utilization=0.3, attention_backend="FLASH_ATTN")
+    else:
+        kw.update(distributed_executor_backend="uni")
+    llm = LLM(**kw)
+    want = "DDTreeProposer" if method == "ddtree" else "DFlashProposer"
+    got = llm.collective_rpc(_install_hooks)[0]
+    if got != want:
+        raise SystemExit(f"the engine's drafter is {got}, not {want}")
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                         detokenize=False)
     runs = []
@@ -132,19 +151,30 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--atol", type=float, default=1e-3)
     ap.add_argument("--rtol", type=float, default=1e-4)
+    ap.add_argument("--method", choices=("dflash", "ddtree"), default="dflash")
+    ap.add_argument("--budget", type=int, default=64, help="DDTree's B (--method ddtree)")
+    ap.add_argument("--dtype", default=None,
+                    help="vLLM's dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     args = ap.parse_args(argv)
+    import torch
+
+    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     pair_dir = Path(args.pair_dir)
     pj = json.load(open(pair_dir / "prompts.json"))
     dcfg = json.load(open(pair_dir / "drafter" / "config.json"))
     block, mask_id = int(dcfg["block_size"]), int(dcfg["dflash_config"]["mask_token_id"])
     prompts = pj["prompts"][: args.prompts]
-    runs = run_vllm(pair_dir, prompts, args.max_tokens, block - 1)
+    runs = run_vllm(pair_dir, prompts, args.max_tokens, block - 1, args.method,
+                    args.budget, dtype)
     res = reference(pair_dir, runs, block, mask_id, args.atol, args.rtol)
     hf = [g[: args.max_tokens] for g in pj["hf_greedy"][: args.prompts]]
     res["vllm_dflash_equals_hf_greedy"] = [r["output"] == h for r, h in zip(runs, hf)]
     import vllm
 
     res["vllm_version"] = vllm.__version__
+    res.update(method=args.method, budget=args.budget if args.method == "ddtree" else None,
+               dtype=dtype, device=torch.cuda.get_device_name() if torch.cuda.is_available()
+               else "cpu")
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps({k: v for k, v in res.items() if k != "per_call"}))
