@@ -58,6 +58,17 @@
 # tree, and the arms everywhere); startup with a schedule of [[1, 65536, 16]] at
 # max_num_seqs 16 (the cost of both arms' graphs); #31: bench/realpair/run.sh STAGES=trainbg
 # in call 1 (it shares the GPU: only installs / equality beside it), "wait measure" later.
+# The realpair session (H100, 25 GPU minutes; bench/RESULTS.md "#31: a pair trained on the
+# H100") did b1 + trainbg x2; install apply; wait; the A2 pair + measure: chain tau 3.79 as
+# a decode, but in vLLM (V1, eager, bf16) trees of 64 / 256 lose depth (0.67 / 0.58 of
+# offline; chain 0.95).  Next (one warm machine): b1 + trainbg (one run, the A recipe:
+# TARGET_SECONDS=180 GEN_SECONDS=80 DRAFTER_SECONDS=480, TRAIN_ARGS="--set gen_batch=1536
+# --set gen_max_seqs=36864 --set d_layers=3 --set budgets=[8,16,32,64,128,256]"); install
+# apply; "wait measure" with CONFIGS=nospec,chain,ddtree16,ddtree64,ddtree256 (now with
+# no-spec's gaps: near-ties or not); then localise the depth loss:
+# check_vllm.py --method dflash / --method ddtree --budget 16 / 64 / 256 (the drafter's
+# calls vs the offline recomputation: a corrupted context shows on ddtree's calls only),
+# and measure with VLLM_USE_V2_MODEL_RUNNER=1 (users' default) and without --eager.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
