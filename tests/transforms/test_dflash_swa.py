@@ -4,7 +4,6 @@ the added module's per-KV-cache-group slot logic, and an apply/revert round trip
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import itertools
 import sys
@@ -16,7 +15,7 @@ import torch
 from ddtree_patcher.patches.dflash_swa import TRANSFORM, common, v0_20, v0_32
 from ddtree_patcher.patches.framework import AnchorError
 from ddtree_patcher.target import find_target, record_mismatches
-from helpers import load_function, snapshot
+from helpers import changed_lines, load_function, snapshot
 
 V020 = ("0.20.0", "0.20.1", "0.20.2")
 V032 = ("0.32.0", "0.33.0")
@@ -29,16 +28,6 @@ def read(tree, rel):
 
 def edits(version):
     return {e.path: e for e in TRANSFORM.family(version).edits}
-
-
-def changed_lines(src: str, out: str) -> tuple[list[str], list[str]]:
-    removed, added = [], []
-    for line in difflib.unified_diff(src.splitlines(), out.splitlines(), lineterm="", n=0):
-        if line.startswith("-") and not line.startswith("---"):
-            removed.append(line[1:].strip())
-        elif line.startswith("+") and not line.startswith("+++"):
-            added.append(line[1:].strip())
-    return removed, added
 
 
 @pytest.fixture(scope="module")
