@@ -209,3 +209,36 @@ def test_unhooked_backend_is_refused_before_any_verify(monkeypatch):
     with pytest.raises(NotImplementedError, match="FlashInferImpl"):
         rt.prepare(SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2]}), 3)
     assert int(runner.positions.abs().sum()) == 0  # nothing was written
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if HAS_CUDA else []))
+def test_commit_restores_every_row_of_a_tree_wider_than_its_depth(dev, fused):
+    """#31: V1's DFlash stores context K/V for every verified row at its position, the
+    rejected ones too.  A tree of B = 40 nodes at depth <= 3 has rows whose tree
+    positions (root + depth) would overwrite the accepted tokens' drafter KV; commit
+    must put all 40 rows back on their linear positions, not just the first 16."""
+    if fused and dev == "cpu" and not INTERPRET:
+        pytest.skip("the fused kernels on the CPU need TRITON_INTERPRET=1")
+    step = payload_module("core.step")
+    B, W, n = 40, 3, 2
+    t = n * (1 + B)
+    lin = torch.arange(100, 100 + t, dtype=torch.int64)
+    positions = lin.clone()
+    for r in range(n):  # the verify's tree positions: root + depth (1..3) per node
+        root = r * (1 + B)
+        positions[root + 1: root + 1 + B] = lin[root] + 1 + torch.arange(B) % W
+    positions = positions.to(dev)
+    # pack: [drafts | stored-tree index | root row]; request 1 accepted rows 5 and 17
+    pack = torch.tensor([B, B, 0, 1, 0, 1 + B], dtype=torch.int64, device=dev)
+    rows = torch.tensor([[0, -1, -1, -1], [0, 5, 17, -1]], dtype=torch.int64, device=dev)
+    nacc = torch.tensor([0, 2], dtype=torch.int64, device=dev)
+    ids = torch.arange(t, dtype=torch.int64, device=dev) + 1000
+    src, dst = (torch.full((n, W), -7, dtype=torch.int64, device=dev) for _ in range(2))
+    start, neff = (torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(2))
+    step.commit(pack, n, rows, nacc, positions, ids, src, dst, start, neff, fused, B)
+    assert torch.equal(positions.cpu(), lin), "every tree row back on its linear position"
+    assert start.cpu().tolist() == [100, 141] and neff.cpu().tolist() == [0, 2]
+    assert dst.cpu().tolist() == [[-1, -1, -1], [42, 43, -1]]
+    assert src.cpu().tolist() == [[-1, -1, -1], [46, 58, -1]]
+    assert ids[42].item() == 1046 and ids[43].item() == 1058

@@ -513,7 +513,7 @@ def test_fused_kernels_match_references():
         src = torch.zeros(4, 3, dtype=torch.int64, device=dev)
         dst, start, neff = src.clone(), src[:, 0].clone(), src[:, 0].clone()
         step_kernels.commit(pack, 4, rows, nacc, batch.positions, batch.input_ids, src, dst,
-                            start, neff, fused)
+                            start, neff, fused, B)
         h = torch.arange(20.0, device=dev).unsqueeze(1).repeat(1, 3)
         step_kernels.move_rows([h], src, dst, fused)
         res[fused] = [pack, has, mask, wpar, pos_tree, batch.positions, batch.input_ids,

@@ -64,7 +64,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _commit_kernel(PACK, n, ROWS, s_rows, NACC, POS, IDS, SRC, DST, START, NEFF,
-                       W: tl.constexpr, BW: tl.constexpr):
+                       W: tl.constexpr, BW: tl.constexpr, MAXD: tl.constexpr):
         r = tl.program_id(0)
         nd = tl.load(PACK + r)
         prev = tl.load(PACK + n + r)
@@ -74,8 +74,11 @@ if HAS_TRITON:
         valid = root >= 0
         rc = tl.maximum(root, 0)
         p0 = tl.load(POS + rc)
-        if prev >= 0:  # positions back to linear (the drafter reads them)
-            tl.store(POS + rc + 1 + w, p0 + 1 + w, mask=w < nd)
+        if prev >= 0:  # positions back to linear, every tree row: V1's DFlash writes
+            # each row's context K/V at its position (rejected rows too), so a row left
+            # at its tree position would overwrite an accepted token's drafter KV
+            for off in range(0, MAXD, BW):  # MAXD: the engine's budget B
+                tl.store(POS + rc + 1 + off + w, p0 + 1 + off + w, mask=off + w < nd)
         nacc = tl.where(valid, tl.load(NACC + r).to(tl.int64), 0)
         tl.store(START + r, p0)
         tl.store(NEFF + r, nacc)
@@ -170,29 +173,36 @@ def prepare_torch(pack, n, width, tree, positions, has_tree, mask, walk_parents)
     mask[:n] = keep
 
 
-def commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff, fused: bool):
-    """Positions back to linear, the accepted path's input ids and source / destination
-    rows; src/dst [n, W] (W = rows.shape[1] - 1), start/neff [n]."""
+def commit(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff, fused: bool,
+           max_drafts: int):
+    """Positions back to linear (all of a request's draft rows, up to ``max_drafts``, the
+    engine's B), the accepted path's input ids and source / destination rows; src/dst
+    [n, W] (W = rows.shape[1] - 1), start/neff [n]."""
     if not fused:
         return commit_torch(pack, n, rows, nacc, positions, input_ids, src, dst, start,
-                            neff)
+                            neff, max_drafts)
     w = rows.shape[1] - 1
+    bw = next_pow2(max(w, 1))
     _commit_kernel[(n,)](pack, n, rows, rows.stride(0), nacc, positions, input_ids, src, dst,
-                         start, neff, W=w, BW=next_pow2(max(w, 1)), num_warps=4)
+                         start, neff, W=w, BW=bw, MAXD=max(int(max_drafts), 1),
+                         num_warps=4)
 
 
-def commit_torch(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff) -> None:
-    """Reference of _commit_kernel: the first tree rows back to linear positions (the
-    kernel's block: next_pow2(W) rows, W = rows.shape[1] - 1 = the walk's depth; deeper
-    rows are never accepted, so never read as context); per request the root position
-    (start), the accepted count (neff) and the [n, W] source / destination token rows of
-    its path (-1 padded); input ids moved along the path."""
+def commit_torch(pack, n, rows, nacc, positions, input_ids, src, dst, start, neff,
+                 max_drafts: int) -> None:
+    """Reference of _commit_kernel: every tree row back to its linear position (V1's
+    DFlash stores context K/V for all verified rows, rejected ones included, at their
+    positions: a row left at its tree position, root + depth, would overwrite an
+    accepted token's drafter KV; #31's H100 pair lost 33-42 % of its tau at B = 64-256);
+    per request the root position (start), the accepted count (neff) and the [n, W]
+    source / destination token rows of its path (-1 padded); input ids moved along the
+    path."""
     nd, prev, roots = pack[:n], pack[n: 2 * n], pack[2 * n: 3 * n]
     w = rows.shape[1] - 1
     valid = roots >= 0
     rc = roots.clamp(min=0)
     p0 = positions[rc]
-    bw = torch.arange(next_pow2(max(w, 1)), device=pack.device)
+    bw = torch.arange(max(w, int(max_drafts), 1), device=pack.device)
     sel = (prev >= 0).unsqueeze(1) & (bw.unsqueeze(0) < nd.unsqueeze(1))
     positions[(rc.unsqueeze(1) + 1 + bw)[sel]] = (p0.unsqueeze(1) + 1 + bw)[sel]
     ar = bw[:w]

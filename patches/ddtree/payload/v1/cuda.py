@@ -259,7 +259,7 @@ class CudaDDTreeRuntime(DDTreeRuntime):
         rows, nacc, src, dst, start, neff = step_kernels.commit_views(
             walk, n, pack.device, self._src, self._dst, self._start, self._neff)
         step_kernels.commit(pack, n, rows, nacc, runner.positions, runner.input_ids.gpu, src,
-                            dst, start, neff, self.fused)
+                            dst, start, neff, self.fused, self.budget)
         if walk is None:
             return
         if aux_hidden_states:  # the drafter's context: path rows first

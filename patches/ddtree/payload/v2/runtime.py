@@ -292,7 +292,8 @@ class V2DDTree:
         rows, nacc, src, dst, start, neff = step_kernels.commit_views(
             walk, n, dev, self._src, self._dst, self._start, self._neff)
         step_kernels.commit(step.pack, n, rows, nacc, input_batch.positions,
-                            input_batch.input_ids, src, dst, start, neff, self.fused)
+                            input_batch.input_ids, src, dst, start, neff, self.fused,
+                            self.budget)
         if walk is None:
             return
         hs = list(aux_hidden_states) if aux_hidden_states else [last_hidden_states]
