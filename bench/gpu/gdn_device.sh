@@ -65,10 +65,11 @@
 # TARGET_SECONDS=180 GEN_SECONDS=80 DRAFTER_SECONDS=480, TRAIN_ARGS="--set gen_batch=1536
 # --set gen_max_seqs=36864 --set d_layers=3 --set budgets=[8,16,32,64,128,256]"); install
 # apply; "wait measure" with CONFIGS=nospec,chain,ddtree16,ddtree64,ddtree256 (now with
-# no-spec's gaps: near-ties or not); then localise the depth loss:
-# check_vllm.py --method dflash / --method ddtree --budget 16 / 64 / 256 (the drafter's
-# calls vs the offline recomputation: a corrupted context shows on ddtree's calls only),
-# and measure with VLLM_USE_V2_MODEL_RUNNER=1 (users' default) and without --eager.
+# no-spec's gaps: near-ties or not): does the commit fix (every tree row back on its
+# linear position; the depth loss's cause, found on the CPU after the run) bring vLLM's
+# tau at B = 64 / 256 to the offline decode's?  check_vllm.py --method ddtree --budget 256
+# (the drafter's calls vs the offline recomputation), and measure again with
+# VLLM_USE_V2_MODEL_RUNNER=1 (users' default, never affected) and without --eager.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
