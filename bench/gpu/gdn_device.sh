@@ -70,6 +70,9 @@
 # tau at B = 64 / 256 to the offline decode's?  check_vllm.py --method ddtree --budget 256
 # (the drafter's calls vs the offline recomputation), and measure again with
 # VLLM_USE_V2_MODEL_RUNNER=1 (users' default, never affected) and without --eager.
+# #31's 8B-shape row with the measured profile: e2e with E2E_SHAPE=qwen3_8b
+# BENCH_PROFILES=p60,p80,p90,real BENCH_REAL_PROFILE=bench/gpu/profiles/realpair_h100_1.json
+# (3 rounds, chain vs the default, an H200 if one comes).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
