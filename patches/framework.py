@@ -195,11 +195,14 @@ def statements(code: str) -> list[cst.BaseStatement]:
     return body
 
 
-def insert_near(source: str, qualname: str, match: Callable[[str], bool], code: str,
+def insert_near(source: str, qualname: str, match: Callable[[str], bool], code,
                 before: bool = False, replace: bool = False) -> str:
     """Insert ``code`` after (or before, or instead of) the one simple statement of a
-    function whose source satisfies ``match``; libcst indents it for its block."""
-    new = statements(code)
+    function whose source satisfies ``match``; libcst indents it for its block.
+    ``code`` may also be a callable: anchor statement -> the statements replacing it
+    (``replace`` implied), e.g. a branch that keeps the original statement."""
+    build = code if callable(code) else None
+    new = None if build else statements(code)
 
     def edit(fn):
         hits = []
@@ -218,6 +221,8 @@ def insert_near(source: str, qualname: str, match: Callable[[str], bool], code: 
             def leave_SimpleStatementLine(self, original, updated):
                 if original is not hits[0]:
                     return updated
+                if build is not None:
+                    return cst.FlattenSentinel(build(updated))
                 if replace:
                     return cst.FlattenSentinel(new)
                 if before:  # blank lines above the anchor go above the new code

@@ -9,8 +9,7 @@ layer's own weight row) ``else:`` (the original statement, unchanged).
 
 from __future__ import annotations
 
-from ..framework import (AnchorError, Step, code_of, cst, edit_function, file_edit,
-                         statements)
+from ..framework import Step, cst, file_edit, insert_near, statements
 
 MODEL = "vllm/model_executor/models/qwen3_dflash.py"
 NORMALIZE = "DFlashQwen3Model._normalize_context_k"
@@ -35,36 +34,17 @@ def _is_grouped_call(code: str) -> bool:
     return flat.startswith("ops.rms_norm(all_k_normed,all_k,self._k_norm_weights,")
 
 
+def _branch(stmt: cst.SimpleStatementLine) -> list:
+    """The CPU branch, with the original statement itself as the else branch."""
+    branch = statements(CPU_BRANCH)[0]
+    return [branch.with_changes(
+        leading_lines=[*stmt.leading_lines, *branch.leading_lines],
+        orelse=branch.orelse.with_changes(body=branch.orelse.body.with_changes(
+            body=[stmt.with_changes(leading_lines=[])])))]
+
+
 def _apply(source: str) -> str:
-    def edit(fn: cst.FunctionDef) -> cst.FunctionDef:
-        hits = []
-
-        class Find(cst.CSTVisitor):
-            def visit_SimpleStatementLine(self, node):
-                if _is_grouped_call(code_of(node)):
-                    hits.append(node)
-
-        fn.visit(Find())
-        if len(hits) != 1:
-            raise AnchorError(f"grouped ops.rms_norm(all_k_normed, all_k, "
-                              f"self._k_norm_weights, ...) in {NORMALIZE} found "
-                              f"{len(hits)} times (need exactly 1)")
-        target = hits[0]
-        branch = statements(CPU_BRANCH)[0]
-        # the else branch is the original statement itself (CUDA: the same call)
-        orig = target.with_changes(leading_lines=[])
-        branch = branch.with_changes(
-            leading_lines=[*target.leading_lines, *branch.leading_lines],
-            orelse=branch.orelse.with_changes(
-                body=branch.orelse.body.with_changes(body=[orig])))
-
-        class Swap(cst.CSTTransformer):
-            def leave_SimpleStatementLine(self, original, updated):
-                return branch if original is target else updated
-
-        return fn.visit(Swap())
-
-    return edit_function(source, NORMALIZE, edit)
+    return insert_near(source, NORMALIZE, _is_grouped_call, _branch)
 
 
 def _applied(code: str) -> bool:
