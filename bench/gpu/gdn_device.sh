@@ -73,6 +73,13 @@
 # #31's 8B-shape row with the measured profile: e2e with E2E_SHAPE=qwen3_8b
 # BENCH_PROFILES=p60,p80,p90,real BENCH_REAL_PROFILE=bench/gpu/profiles/realpair_h100_1.json
 # (3 rounds, chain vs the default, an H200 if one comes).
+# The realpair_h100_2 session (H100, 25 GPU minutes) did all of that but the V2 fp32 rows:
+# trainbg (300 s drafter); install apply; wait measure V1 (tau == offline now), V2 measure;
+# e2e 8B x 4 rounds with E2E_CONFIGS="chain15async ddtree64autoasync ddtree64chainasync"
+# (read with bench/gpu/e2e_logs.py); check_vllm fp32.  Next: the choice's cold start (8
+# of 68 steps on the chain at p60 / 1 request) and DDTree's V2 host time on a tiny
+# target (a step 6 ms vs the chain's 2.3 ms, no async): profile it (gdn_profile.py-like,
+# realpair's pair, V2, FULL graphs); the V2 fp32 rows after the commit change (fp32ieee).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

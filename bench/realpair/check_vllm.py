@@ -75,7 +75,9 @@ def run_vllm(pair_dir: Path, prompts, max_tokens: int, k: int, method: str = "df
               speculative_config={"method": method, "model": str(pair_dir / "drafter"),
                                   "num_speculative_tokens": n_spec})
     if torch.cuda.is_available():
-        kw.update(gpu_memory_utilization=0.3, attention_backend="FLASH_ATTN")
+        # FA3 has no fp32: --dtype float32 runs vLLM's Triton attention
+        kw.update(gpu_memory_utilization=0.3,
+                  attention_backend="TRITON_ATTN" if dtype == "float32" else "FLASH_ATTN")
     else:
         kw.update(distributed_executor_backend="uni")
     llm = LLM(**kw)

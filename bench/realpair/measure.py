@@ -119,6 +119,9 @@ def engine(pair_dir: Path, spec: dict, args, cuda: bool, max_n: int, max_len: in
     if spec["kind"] != "nospec":
         sc = {"model": str(pair_dir / "drafter"), "num_speculative_tokens": k,
               "method": "ddtree" if spec["kind"] == "ddtree" else "dflash"}
+        if spec["kind"] == "ddtree" and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
+            # V2's default may play the chain at some batch sizes: B always (as step_bench)
+            sc["ddtree_chain_budget"] = 0
         kw["speculative_config"] = sc
     return LLM(**kw)
 

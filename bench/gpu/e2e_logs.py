@@ -1,0 +1,95 @@
+"""Ratios to the chain per cell and round, read from gdn_device.sh's e2e logs.
+
+    python bench/gpu/e2e_logs.py DIR [--chain chain15async] [--fixed CONFIG]
+
+DIR holds e2e_r<round>_<config>.txt (one fresh process per config and round).  The
+device returns at most 8 files a call, so a call's step_bench.json files may stay
+behind; its logs carry the same numbers (one line per cell: tokens/s, and the step
+bench's "N <n> step ms").  Prints, per cell, each config's median ratio to the chain
+(min-max over the rounds that ran both) and, with --fixed, the other configs' ratio to
+that config in the same round (the choice against the fixed tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+_FILE = re.compile(r"e2e_r(\d+)_(.+)\.txt$")
+_E2E = re.compile(r"\S+ (\S+) e2e (\S+) N (\d+) (\{.*)")
+_STEP = re.compile(r"\S+ (\S+) N (\d+) step ms (\S+)")
+
+
+def read(folder: Path) -> dict:
+    """{(cell, n): {config: {round: value}}}; cell "step" holds ms, others tokens/s."""
+    out: dict = {}
+    for f in sorted(folder.glob("e2e_r*_*.txt")):
+        m = _FILE.search(f.name)
+        if not m:
+            continue
+        rnd, cfg = int(m.group(1)), m.group(2)
+        for line in f.read_text(errors="replace").splitlines():
+            e = _E2E.match(line)
+            if e and e.group(1) == cfg:
+                v = json.loads(e.group(4))["tok_per_s"]
+                out.setdefault((e.group(2), int(e.group(3))), {}).setdefault(cfg, {})[rnd] = v
+                continue
+            s = _STEP.match(line)
+            if s and s.group(1) == cfg:
+                out.setdefault(("step", int(s.group(2))), {}).setdefault(cfg, {})[rnd] = \
+                    float(s.group(3))
+    return out
+
+
+def ratios(a: dict, b: dict) -> list[float]:
+    """a[r] / b[r] over the rounds both ran."""
+    return [a[r] / b[r] for r in sorted(a) if r in b and b[r]]
+
+
+def fmt(rs: list[float]) -> str:
+    if not rs:
+        return "-"
+    return f"{statistics.median(rs):.3f} ({min(rs):.3f}-{max(rs):.3f}, {len(rs)})"
+
+
+def table(data: dict, chain: str, fixed: str | None) -> str:
+    cfgs = sorted({c for v in data.values() for c in v if c != chain})
+    head = ["cell", f"{chain} median"] + [f"{c} / chain" for c in cfgs]
+    if fixed:
+        head += [f"{c} / {fixed}" for c in cfgs if c != fixed]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cell in sorted(data, key=lambda k: (k[0] == "step", k)):
+        row = data[cell]
+        ch = row.get(chain, {})
+        cells = [f"{cell[0]} N {cell[1]}",
+                 f"{statistics.median(ch.values()):.2f}" if ch else "-"]
+        cells += [fmt(ratios(row.get(c, {}), ch)) for c in cfgs]
+        if fixed:
+            cells += [fmt(ratios(row.get(c, {}), row.get(fixed, {})))
+                      for c in cfgs if c != fixed]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--chain", default="chain15async")
+    ap.add_argument("--fixed", default=None, help="a config to hold the others against")
+    args = ap.parse_args(argv)
+    data = read(args.folder)
+    if not data:
+        print(f"e2e_logs: no e2e_r<round>_<config>.txt lines in {args.folder}", file=sys.stderr)
+        return 2
+    print(table(data, args.chain, args.fixed))
+    print("step rows: ms per step (ratio < 1 is faster); other rows: tokens/s "
+          "(ratio > 1 is faster); (min-max, rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

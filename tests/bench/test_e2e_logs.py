@@ -1,0 +1,46 @@
+"""bench/gpu/e2e_logs.py: ratios per cell and round from gdn_device.sh's e2e logs."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("e2e_logs", BENCH / "gpu" / "e2e_logs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def write(folder: Path, rnd: int, cfg: str, tok_s: float, step_ms: float):
+    cell = json.dumps({"tokens": 256, "tok_per_s": tok_s, "timeline": [[1, 16, 15, 9.0]]})
+    (folder / f"e2e_r{rnd}_{cfg}.txt").write_text(
+        "INFO noise line\n"
+        f"22:18:23 {cfg} N 1 step ms {step_ms} gpu {{}} cpu {{}}\n"
+        f"22:18:24 {cfg} e2e p60 N 1 {cell}\n"
+        # another config's line in this file is not this config's
+        f"22:18:25 other e2e p60 N 1 {cell}\n")
+
+
+def test_ratios_per_round_and_against_the_fixed_tree(tmp_path):
+    m = load()
+    for r, (c, a, f) in enumerate([(100, 120, 130), (100, 126, 126), (200, 250, 240)], 1):
+        write(tmp_path, r, "chain15async", c, 8.0)
+        write(tmp_path, r, "auto", a, 9.0)
+        if r != 3:  # a round the fixed tree did not run: left out of its ratios
+            write(tmp_path, r, "fixed", f, 10.0)
+    data = m.read(tmp_path)
+    assert data[("p60", 1)]["auto"] == {1: 120, 2: 126, 3: 250}
+    assert "other" not in data[("p60", 1)]
+    assert m.ratios(data[("p60", 1)]["auto"], data[("p60", 1)]["chain15async"]) == [1.2, 1.26, 1.25]
+    out = m.table(data, "chain15async", "fixed")
+    assert "| p60 N 1 | 100.00 | 1.250 (1.200-1.260, 3) | 1.280 (1.260-1.300, 2) |" \
+           " 0.962 (0.923-1.000, 2) |" in out
+    assert "| step N 1 | 8.00 | 1.125 (1.125-1.125, 3) |" in out
+
+
+def test_an_empty_folder_says_so(tmp_path, capsys):
+    assert load().main([str(tmp_path)]) == 2
+    assert "no e2e_r" in capsys.readouterr().err
