@@ -49,7 +49,9 @@ PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
 # (run 21, ddtree16autoasync's steady steps)
 # (run 21, 4 requests: ddtree16async's and chain15async's steady steps, round 2: the arms
 # at every batch size where B <= C + 1, step_bench's ddtree16every, #29)
+# (realpair_h100_2: 8B shape on the H100, ddtree64autoasync's steady tree / chain steps)
 STEP_MS = {"8B, 1": (8.33, 6.98, 64, 1), "8B, 2": (8.5, 7.18, 32, 2),
+           "8B H100, 1": (10.57, 9.13, 64, 1), "8B H100, 2": (10.9, 9.2, 32, 2),
            "27B, 1": (30.3, 29.7, 16, 1), "27B, 4": (35.36, 34.45, 16, 4)}
 
 

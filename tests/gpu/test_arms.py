@@ -707,3 +707,27 @@ def test_measured_tokens_are_per_request_step_and_decayed():
     want = (4 * arms.DECAY + 8) / (arms.DECAY + 1) / 2
     assert lookup.summary()[2][f"tree {TREE}"]["measured"] == pytest.approx(want, abs=1e-3)
     assert lookup.summary()[2][f"chain {CHAIN}"]["measured"] == 0.0
+
+
+def test_a_clear_tree_lead_explores_the_chain_rarely_from_its_calibration(ch):
+    """Paired counts price the chain on every tree step: once the chain's step time is
+    calibrated (MIN_PAIRED steps) and the tree leads by more than 2 Z standard errors,
+    the chain is explored every 4 x EXPLORE choices, not only after WELL steps of it (a
+    cold 68-step cell on the H100, 8B shape, p60: 8 chain steps, calibration and one
+    exploration, 0.945 of the fixed tree).  A chain that leads still needs WELL steps
+    of both arms before the tree is looked at less often."""
+    ch.paired = True  # as the worker half (sched/paired.py's ArmExpect) sets it
+    lookup = arms.ArmLookup([0, TREE, TREE], CHAIN, ch)
+    for n in (1, 2):
+        for _ in range(arms.WELL):
+            lookup.stats[(n, TREE)].add(5, 0.010)
+        for _ in range(arms.MIN_PAIRED):
+            lookup.stats[(n, CHAIN)].add(5, 0.007)
+    var = (9.0, 8.0, 7.5)
+    ch.expected[1], ch.spread[1] = (5.6, 2.8), var + (400.0,)  # the tree clearly ahead
+    ch.expected[2], ch.spread[2] = (4.2, 4.2), var + (400.0,)  # the chain clearly ahead
+    assert lookup.edge(1) > 2 * arms.Z and lookup.edge(2) < -2 * arms.Z
+    picks = [lookup[1] for _ in range(4 * arms.EXPLORE * arms.WINDOW)]
+    assert picks.count(CHAIN) == arms.WINDOW  # one exploration in 4 x EXPLORE choices
+    picks = [lookup[2] for _ in range(4 * arms.EXPLORE * arms.WINDOW)]
+    assert picks.count(TREE) == 4 * arms.WINDOW  # every EXPLORE-th choice: not yet known

@@ -29,9 +29,11 @@ and gives 0.985 with this rule).  Else (measured tokens) the other arm must beat
 leader by MARGIN.  The first steps of each arm
 calibrate (MIN_STEPS; MIN_PAIRED with paired counts, where the tree's steps give the
 chain's tokens too); after that, a choice holds WINDOW steps, and every EXPLORE-th
-choice (4 x EXPLORE once both arms have WELL steps and one is clearly ahead: by 2 Z
-standard errors, or by CLEAR on measured tokens; EXPLORE / 4 while the chain leads by
-less than 2 Z) plays the other arm.  A step time is the median of an arm's last
+choice (4 x EXPLORE once one is clearly ahead, by 2 Z standard errors or by CLEAR on
+measured tokens, and both arms have WELL steps; with paired counts a tree that clearly
+leads needs none of the chain's beyond its calibration, whose tokens come from the tree
+steps: H100, 8B shape, a cold p60 cell of 68 steps spent 8 on the chain; EXPLORE / 4
+while the chain leads by less than 2 Z) plays the other arm.  A step time is the median of an arm's last
 RECENT steps, the first step after a switch left out (H200, run 8: at one request the
 tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of another run 7.9
 ms; the cause was not found).  That first step's excess over the new arm's median is
@@ -163,7 +165,9 @@ class ArmLookup(list):
                 lead, other = other, lead
             self.leader[n] = best = lead
             lo = min(rate.values())
-            known = min(t.steps, c.steps) >= WELL
+            # paired counts price the chain on tree steps: while the tree leads, the
+            # chain's own steps give only its step time, known from its calibration
+            known = edge is not None and best == tree or min(t.steps, c.steps) >= WELL
             clear = abs(edge) > 2 * Z if edge is not None else \
                 lo > 0 and max(rate.values()) > CLEAR * lo
             period = self.explore * (4 if known and clear else 1)
