@@ -63,7 +63,10 @@ def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=Non
     vals, idx, lse, walk, hits = pool
     tree_acc, chain_acc = walk.num_accepted, hits[:, :C].sum(1)
     ch = channel.ArmChannel()  # one engine's: both halves in one process
-    ex = v2_arms.ArmExpect([reqs], C, L, max_reqs=reqs, device="cpu", channel=ch)
+    # the kernels' torch references (tests run under TRITON_INTERPRET: slow, and what is
+    # simulated here is the choice; tests/gpu/test_paired_counts.py holds them equal)
+    ex = v2_arms.ArmExpect([reqs], C, L, max_reqs=reqs, device="cpu", channel=ch,
+                           fused=False)
     lookup = arms.ArmLookup([0] + [B] * reqs, C, ch)
     clock = [0.0]
     lookup.clock = lambda: clock[0] / 1000

@@ -168,6 +168,76 @@ def check_compaction(core, device: str, seed: int) -> str:
     return "KV compaction == reference"
 
 
+def _paired_py(top1, logp, slots, out, acc, valid, rows, subs, chain):
+    """The tree-vs-chain choice's counts of one tree step, row by row in Python: tree
+    accepted, rows, chain accepted (its leading matches of the walk's known tokens, then
+    the drafter's expected run where it matched them all), rows, the squares and the
+    product, the rows' squared weights, then each subtree's leading accepted rows."""
+    import math
+
+    cols = [0.0] * (8 + len(subs))
+    for i, slot in enumerate(slots):
+        a, w = acc[i], min(len(out[i]), chain)
+        lead = 0
+        while lead < w and lead <= a and top1[slot][lead] == out[i][lead]:
+            lead += 1
+        ch = float(lead)
+        if lead == a + 1 < chain:
+            cum, c = [], 0.0
+            for x in logp[slot][:chain]:
+                c += x
+                cum.append(c)
+            base = cum[min(a, chain - 1)]
+            ch += sum(math.exp(cum[j] - base) for j in range(a + 1, chain))
+        row = [a, 1, ch, 1, a * a, ch * ch, a * ch, 1]
+        for s in subs:
+            k = 0
+            while k + 1 < len(rows[i]) and 0 < rows[i][k + 1] <= s:
+                k += 1
+            row.append(k)
+        if valid[i]:
+            cols = [x + y for x, y in zip(cols, row)]
+    return cols
+
+
+def check_paired_counts(core, device: str, seed: int) -> str:
+    """core/paired_counts.py (the choice's counts of a tree step, V2 runner) against
+    _paired_py, each backend."""
+    import torch
+
+    pc = core.paired_counts
+    g = torch.Generator().manual_seed(seed)
+    chain, n, slots_n = 5, 3, 6
+    top1 = torch.randint(1, 6, (slots_n, chain), generator=g)
+    logp = -torch.rand(slots_n, chain, generator=g)
+    slots = torch.randperm(slots_n, generator=g)[:n]
+    acc = torch.tensor([0, 2, 5])
+    out = torch.full((n, 6), -1, dtype=torch.int64)
+    for i in range(n):  # the chain's prefix, then random tokens: the known a + 1 (row 0:
+        # the chain matched all of them, so its expected run past the bonus counts)
+        m = 1 if i == 0 else int(torch.randint(0, min(int(acc[i]) + 1, chain) + 1, (1,),
+                                                generator=g))
+        toks = top1[slots[i], :m].tolist() + [9] * (int(acc[i]) + 1 - m)
+        out[i, :len(toks)] = torch.tensor(toks)
+    rows = torch.tensor([[0, 1, -1, -1, -1, -1], [0, 2, 7, -1, -1, -1], [0, 1, 3, 4, 9, 12]])
+    valid = torch.tensor([True, True, True])
+    subs = [4, 8]
+    want = _paired_py(top1.tolist(), logp.tolist(), slots.tolist(), out.tolist(),
+                      acc.tolist(), valid.tolist(), rows.tolist(), subs, chain)
+    for backend in _backends(core, device):
+        sums = torch.zeros(n + 1, 8 + len(subs), device=device)
+        args = [t.to(device) for t in (slots, top1, logp)]
+        pc.add_rows(sums, n, *args, chain, out.to(device), acc.to(device), valid.to(device),
+                    rows.to(device), torch.tensor(subs, device=device),
+                    fused=backend == "triton")
+        got = sums[n].tolist()
+        if any(abs(x - y) > 1e-4 * max(1.0, abs(y)) for x, y in zip(got, want)) or \
+                sums[:n].abs().sum().item() != 0:
+            raise AssertionError(f"paired counts ({backend}) differ from the reference "
+                                 f"(seed {seed}): {got} vs {want}")
+    return "paired counts == reference"
+
+
 def run(core, device: str | None = None, seed: int | None = None, *, oracle
         ) -> tuple[bool, str]:
     import torch
@@ -175,5 +245,5 @@ def run(core, device: str | None = None, seed: int | None = None, *, oracle
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     seed = seed if seed is not None else random.randrange(1 << 30)
     msgs = [check_build(core, oracle, device, seed), check_walks(core, device, seed + 1),
-            check_compaction(core, device, seed + 2)]
+            check_compaction(core, device, seed + 2), check_paired_counts(core, device, seed + 3)]
     return True, f"{device}, seed {seed}: " + "; ".join(msgs)

@@ -128,7 +128,7 @@ PAYLOAD_RULES = {
     "core": ({"core"}, False),
     "attention": ({"attention", "core", "top"}, True),  # top: envs (launch table)
     "gdn": ({"gdn", "core", "top"}, True),
-    "sched": ({"sched", "top"}, False),
+    "sched": ({"sched", "core", "top"}, False),
     "v1": ({"v1", "core", "attention", "gdn", "top"}, True),
     "v2": ({"v2", "core", "attention", "gdn", "sched", "top"}, True),
     "top": ({"top", "core", "gdn", "sched"}, True),

@@ -395,7 +395,8 @@ def _read_off(v2_arms, C, L, vals, idx, lse, walk):
     import torch
 
     n = idx.shape[0]
-    ex = v2_arms.ArmExpect([1], C, L, max_reqs=n, device="cpu")
+    # many rows: the kernels' torch reference (test_paired_counts.py holds them equal)
+    ex = v2_arms.ArmExpect([1], C, L, max_reqs=n, device="cpu", fused=False)
     slots = torch.randperm(n)
     ex.draft(vals, idx, lse, slots)
     tree, chain = [], []
@@ -477,7 +478,8 @@ def test_both_halves_pick_the_arm_that_is_faster_on_this_text(probs, label, ch):
     rate = {"tree": (1 + float(tree_acc.float().mean())) / STEP_MS["tree"],
             "chain": (1 + float(chain_acc.float().mean())) / STEP_MS["chain"]}
     k_of = {"tree": B, "chain": C}
-    ex = v2_arms.ArmExpect([1], C, L, max_reqs=1, device="cpu", channel=ch)
+    # many steps: the kernels' torch reference (test_paired_counts.py holds them equal)
+    ex = v2_arms.ArmExpect([1], C, L, max_reqs=1, device="cpu", channel=ch, fused=False)
     lookup = arms.ArmLookup([0, B], C, ch)
     clock = [0.0]
     lookup.clock = lambda: clock[0] / 1000

@@ -156,3 +156,18 @@ def test_oracle_is_loaded_next_to_the_installed_core(tmp_path, monkeypatch):
     ok, msg = vk.run(installed, "cpu", seed=11, oracle=vk.load_oracle(installed))
     assert ok and "tree build == heapq reference" in msg
     sys.modules.pop("vendored_core", None)
+
+
+def test_wrong_paired_counts_are_caught():
+    """The choice's counts (core/paired_counts.py) against verify's row-by-row Python
+    reference: a chain count that ignores the expected run past the bonus is caught."""
+    pc = core.paired_counts
+
+    def no_rest(sums, n, slots, top1, logp, chain, out, acc, valid, rows=None, subs=None,
+                fused=None):
+        pc.add_rows(sums, n, slots, top1, logp.new_full(logp.shape, -1e4), chain, out, acc,
+                    valid, rows, subs, fused=fused)
+
+    shim = types.SimpleNamespace(add_rows=no_rest)
+    with pytest.raises(AssertionError, match="paired counts .* differ"):
+        kernels.run(_wrong(core, paired_counts=shim), "cpu", seed=11, oracle=heap_reference)

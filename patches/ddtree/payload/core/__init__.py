@@ -57,13 +57,15 @@ prune_row(tree, i, keep) / reindex_parents(parents, keep): a tree cut to a subse
 
 gdn_tree: Gated DeltaNet layers on a tree (verify from the committed state, tree
     short convolution, commit along the accepted path); see its docstring.
+paired_counts: the tree-vs-chain choice's counts of one tree step (V2 runner,
+    sched/paired.py), one Triton launch on CUDA; see its docstring.
 
 backend: 'auto' (Triton on CUDA tensors when importable, else torch), 'torch',
 'triton' (CUDA, or CPU under TRITON_INTERPRET=1).  Both agree exactly.
 """
 
 from ._triton import HAS_TRITON
-from . import gdn_tree
+from . import gdn_tree, paired_counts
 from .kv_compact import LAYOUTS, compact_kv, compact_kv_slots, compaction_slots, token_view
 from .prune import prune_row, reindex_parents
 from .sampling import apply_top_k_top_p, target_probs
@@ -84,7 +86,7 @@ from .vocab_topk import row_logsumexp, vocab_topk
 from .tree_walk import WalkResult, masses, walk_greedy, walk_sampled
 
 __all__ = [
-    "HAS_TRITON", "gdn_tree", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "chain_scores", "vocab_topk",
+    "HAS_TRITON", "gdn_tree", "paired_counts", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "chain_scores", "vocab_topk",
     "row_logsumexp", "ancestor_mask", "canonical_topk", "top1", "chain_parents",
     "chain_depths",
     "quantize_logprobs", "WalkResult",

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import log
+from ..core.paired_counts import COLS, add_rows, keep_top1, use_fused
 from .channel import ArmChannel
 
 PUBLISH = 4  # measured tree steps between two copies of the sums to the host
@@ -46,14 +48,15 @@ KEEP = 0.9
 
 class ArmExpect:
     def __init__(self, tree_sizes, chain: int, depth: int, max_reqs: int, device,
-                 subtrees=(), channel: ArmChannel | None = None):
+                 subtrees=(), channel: ArmChannel | None = None, fused: bool | None = None):
         self.tree_sizes = set(tree_sizes)  # batch sizes that have arms
         self.chain = min(chain, depth)  # C drafts of the chain arm
         self.subtrees = sorted({b for b in subtrees if b > self.chain})
+        self.fused = fused  # core/paired_counts.py's kernels (None: on CUDA / interpreted)
         # per batch size: tree accepted sum, rows, chain accepted sum, rows, the sums of
         # tree^2, chain^2 and tree x chain and of the rows' squared weights (the
         # choice's error bar), then the accepted sum of each subtree
-        cols = 8 + len(self.subtrees)
+        cols = COLS + len(self.subtrees)
         self.sums = torch.zeros(max_reqs + 1, cols, dtype=torch.float32, device=device)
         # older steps fade: every column by KEEP, the squared weights by KEEP^2
         self.fade = torch.full((cols,), KEEP, dtype=torch.float32, device=device)
@@ -64,7 +67,6 @@ class ArmExpect:
         # and its log-probabilities (the expected rest of a chain the tree left out)
         self.logp = torch.zeros(max_reqs, max(self.chain, 1), dtype=torch.float32,
                                 device=device)
-        self._pos = torch.arange(max(self.chain, 1), device=device)
         self._subs = torch.tensor(self.subtrees, dtype=torch.int64, device=device)
         cuda = torch.device(device).type == "cuda"
         self.host = torch.zeros(max_reqs + 1, cols, dtype=torch.float32, pin_memory=cuda)
@@ -86,10 +88,8 @@ class ArmExpect:
         is each position's top-1; lse [n, L]): keep its top-1 chain and the chain's
         log-probabilities by slot for the verify step."""
         if self.chain:
-            c = self.chain
-            self.top1[slots] = idx[:, :c, 0]
-            lp = (vals[:, :c, 0] - lse[:, :c]).float()
-            self.logp[slots] = torch.where(torch.isfinite(lp), lp.clamp(max=0.0), -1e4)
+            self._fused_or_reference(keep_top1, vals, idx, lse, slots, self.top1, self.logp,
+                                     self.chain)
 
     def verified(self, n: int, slots, output_tokens, num_accepted, valid,
                  accepted_rows=None) -> None:
@@ -100,33 +100,28 @@ class ArmExpect:
         the sums of n."""
         if n not in self.tree_sizes or not self.chain:
             return
-        out = output_tokens[:n]
-        acc = num_accepted[:n].long()
-        w = min(out.shape[1], self.chain)
-        # the target's tokens at positions 0 .. acc are known (the path, then the bonus)
-        hit = (self.top1[slots][:, :w] == out[:, :w]) & \
-            (self._pos[:w].unsqueeze(0) <= acc.unsqueeze(1))
-        chain_acc = hit.long().cumprod(1).sum(1).float()
-        # a chain that matched every known token (the tree left out its next node)
-        # goes on past the bonus with the drafter's own probabilities: + sum over
-        # d > acc of prod_{acc < j <= d} p_j
-        start = acc + 1
-        cut = (chain_acc == start.float()) & (start < self.chain)
-        cum = self.logp[slots][:, : self.chain].cumsum(1)
-        base = cum.gather(1, acc.clamp(max=self.chain - 1).unsqueeze(1))
-        later = self._pos.unsqueeze(0) >= start.unsqueeze(1)
-        rest = (torch.exp(cum - base) * later).sum(1)
-        chain_acc = chain_acc + torch.where(cut, rest, 0.0)
-        one, t = torch.ones_like(chain_acc), acc.float()
-        per_row = [t, one, chain_acc, one, t * t, chain_acc * chain_acc, t * chain_acc,
-                   one]
-        if self.subtrees:  # all sizes at once: [S, n] accepted inside each subtree
-            path = accepted_rows[:n, 1:].unsqueeze(0)  # verify row r = node r - 1
-            inside = (path > 0) & (path <= self._subs.view(-1, 1, 1))
-            per_row.extend(inside.long().cumprod(2).sum(2).float().unbind(0))
-        # rows without a tree add nothing: one product sums every column
-        self.sums[n].add_(valid[:n].to(torch.float32) @ torch.stack(per_row, 1))
+        # one Triton launch on CUDA (core/paired_counts.py), its torch reference elsewhere
+        self._fused_or_reference(add_rows, self.sums, n, slots, self.top1, self.logp,
+                                 self.chain, output_tokens, num_accepted, valid,
+                                 accepted_rows, self._subs if self.subtrees else None)
         self._publish()
+
+    def _fused_or_reference(self, f, *args) -> None:
+        """f's kernel (on CUDA or interpreted, unless ``fused`` says otherwise) or its
+        reference; a kernel that fails to launch (a compile error: raised before it
+        writes anything) turns the kernels off with one warning, and the counts go on
+        from the torch references."""
+        if self.fused is None:
+            self.fused = use_fused(self.sums.device)
+        if not self.fused:
+            return f(*args, fused=False)
+        try:
+            return f(*args, fused=True)
+        except Exception as e:  # noqa: BLE001 - the step must go on
+            self.fused = False
+            log(__name__, "the paired counts' kernels failed (%r); their torch "
+                "references from now on", e, warn=True)
+            return f(*args, fused=False)
 
     # ---------------------------------------------------------------- to the scheduler
     def _publish(self) -> None:
