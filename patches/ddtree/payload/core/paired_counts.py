@@ -112,7 +112,7 @@ def keep_top1(vals, idx, lse, slots, top1, logp, chain: int, fused=None) -> None
     _top1_kernel[(1,)](v, v.stride(0), v.stride(1), i, i.stride(0), i.stride(1), lse,
                        lse.stride(0), lse.stride(1), slots, n, top1, top1.stride(0), logp,
                        logp.stride(0), C=chain, BC=next_pow2(max(chain, 1)),
-                       BN=next_pow2(max(n, 1)), num_warps=1)
+                       BN=next_pow2(max(n, 1)), num_warps=1 if n <= 32 else 4)
 
 
 def keep_top1_torch(vals, idx, lse, slots, top1, logp, chain: int) -> None:
@@ -143,7 +143,7 @@ def add_rows(sums, n: int, slots, top1, logp, chain: int, output_tokens, num_acc
         valid, path, path.stride(0), path.stride(1), p_len,
         subs if n_subs else slots, C=chain, BC=next_pow2(max(chain, 1)), S=n_subs,
         BS=next_pow2(max(n_subs, 1)), BP=next_pow2(max(p_len, 1)),
-        BN=next_pow2(max(n, 1)), num_warps=1)
+        BN=next_pow2(max(n, 1)), num_warps=1 if n <= 32 else 4)
 
 
 def add_rows_torch(sums, n: int, slots, top1, logp, chain: int, output_tokens,
