@@ -76,10 +76,14 @@
 # The realpair_h100_2 session (H100, 25 GPU minutes) did all of that but the V2 fp32 rows:
 # trainbg (300 s drafter); install apply; wait measure V1 (tau == offline now), V2 measure;
 # e2e 8B x 4 rounds with E2E_CONFIGS="chain15async ddtree64autoasync ddtree64chainasync"
-# (read with bench/gpu/e2e_logs.py); check_vllm fp32.  Next: the choice's cold start (8
-# of 68 steps on the chain at p60 / 1 request) and DDTree's V2 host time on a tiny
-# target (a step 6 ms vs the chain's 2.3 ms, no async): profile it (gdn_profile.py-like,
-# realpair's pair, V2, FULL graphs); the V2 fp32 rows after the commit change (fp32ieee).
+# (read with bench/gpu/e2e_logs.py); check_vllm fp32.  Changed after it, never run on a
+# GPU: the choice's paired counts in two Triton launches (core/paired_counts.py) and a
+# clear tree lead exploring the chain rarely.  Next: b1; install apply (verify --quick's
+# kernel check now runs the paired counts on CUDA) and `pytest tests/gpu/test_paired_counts.py
+# tests/gpu/test_arms.py` on CUDA; the same 8B e2e, 3-4 rounds, E2E_CONFIGS="chain15async
+# ddtree64autoasync ddtree64chainasync" (does p60 / 1 request reach 0.98 of the fixed
+# tree?); DDTree's V2 host time on a tiny target (a step 6 ms vs the chain's 2.3 ms, no
+# async; realpair's measure, V2): profile it; the V2 fp32 rows (fp32ieee).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
