@@ -613,6 +613,9 @@ def run_config(name, out_dir, res):
             arms = C.arms_of(llm)
             if arms is not None:  # what the controller measured and chose (warm-up too)
                 e["arms"] = {str(k): v for k, v in arms.summary().items()}
+                # each measured step with the estimates published then (a replay of the
+                # estimator against what each arm realized: #29)
+                e["arms_trace"] = list(arms.trace)
             res[name]["e2e"][f"{pname}_N{n}"] = e
             C.log(name, "e2e", pname, "N", n, json.dumps(e))
             C.dump(os.path.join(out_dir, "step_bench.json"), res)

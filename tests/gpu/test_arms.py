@@ -733,3 +733,20 @@ def test_a_clear_tree_lead_explores_the_chain_rarely_from_its_calibration(ch):
     assert picks.count(CHAIN) == arms.WINDOW  # one exploration in 4 x EXPLORE choices
     picks = [lookup[2] for _ in range(4 * arms.EXPLORE * arms.WINDOW)]
     assert picks.count(TREE) == 4 * arms.WINDOW  # every EXPLORE-th choice: not yet known
+
+
+def test_each_measured_step_is_traced_with_the_estimates_of_its_time(ch, monkeypatch):
+    """ArmLookup.trace: per measured step its batch size, drafts, ms, tokens and the
+    expected tokens per request-step published then (None before), the last TRACE
+    steps; what a replay of the estimator against the realized arms reads."""
+    monkeypatch.setattr(arms, "TRACE", 16)
+    lookup = arms.ArmLookup([0, TREE], CHAIN, ch)
+    cost = {TREE: 0.008, CHAIN: 0.007}
+    simulate(lookup, cost, {TREE: 3.0, CHAIN: 2.0}, steps=12)
+    assert len(lookup.trace) == sum(a.steps for a in lookup.stats.values()) > 0
+    for n, k, ms, tokens, et, ec in lookup.trace:
+        assert (n, et, ec) == (1, None, None) and k in (TREE, CHAIN) and 1 <= tokens <= k + 1
+        assert ms == pytest.approx(1e3 * cost[k], rel=0.06)
+    ch.expected[1] = (4.0, 2.5)
+    simulate(lookup, cost, {TREE: 3.0, CHAIN: 2.0}, steps=40)
+    assert len(lookup.trace) == 16 and lookup.trace[-1][4:] == [4.0, 2.5]

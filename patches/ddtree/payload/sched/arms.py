@@ -41,7 +41,9 @@ the switch's cost (summary: switch_ms); where it is positive a choice holds long
 enough that a switch costs at most SWITCH_SHARE of its steps (simulated with 5 ms a
 switch, bench/arms_sim.py: 0.964-0.968 -> 0.977-0.981 of the chain where the chain
 wins).  ddtree_arms=[window, explore] overrides WINDOW and EXPLORE and pins the
-window (tests; settings.py refuses a bad value at engine configuration).
+window (tests; settings.py refuses a bad value at engine configuration).  ``trace`` keeps
+the last TRACE measured steps with the estimates published at each (step_bench.py saves
+it per cell: the estimator replayed against what each arm realized).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ SWITCH_SHARE = 0.1  # a choice holds long enough that a measured switch costs <=
 Z = 1.0  # published counts: the chain leads only where it leads by Z std errors
 MIN_ROWS = 8  # and only once this many paired rows (request-steps of the tree) are in
 LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
+TRACE = 4096  # measured steps kept for a replay of the estimates (``trace``)
 
 
 class Arm:
@@ -130,6 +133,9 @@ class ArmLookup(list):
         self._width: dict[int, int] = {}  # batch size -> drafts of its last decode step
         # batch size -> [switches measured, the last RECENT first steps' excess seconds]
         self.switches: dict[int, list] = {}
+        # the last TRACE measured steps: [batch size, drafts, ms, tokens, the published
+        # expected tokens per request-step of the tree and the chain (None: not yet)]
+        self.trace: deque = deque(maxlen=TRACE)
         self.channel.clear()  # a fresh start: nothing of an earlier drafter's
 
     def renew(self) -> "ArmLookup":
@@ -264,7 +270,11 @@ class ArmLookup(list):
                 sw[1].append((now - last) - arm.step_s)
             return
         sampled = model_runner_output.sampled_token_ids or []
-        arm.add(sum(len(x) for x in sampled), now - last)
+        tokens = sum(len(x) for x in sampled)
+        arm.add(tokens, now - last)
+        exp = self.channel.expected.get(n, (None, None))
+        self.trace.append([n, k, round((now - last) * 1e3, 4), tokens,
+                           *(None if e is None else round(e, 4) for e in exp)])
         if now - self._logged > LOG_EVERY:
             self._logged = now
             _log(self.summary())
