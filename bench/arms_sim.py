@@ -56,10 +56,11 @@ STEP_MS = {"8B, 1": (8.33, 6.98, 64, 1), "8B, 2": (8.5, 7.18, 32, 2),
 
 
 def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None,
-         switch_ms: float = 0.0, reqs: int = 1, B: int = 64):
+         switch_ms: float = 0.0, reqs: int = 1, B: int = 64, keep: list | None = None):
     """(tokens per ms, share of tree steps) of the choice over ``steps`` steps of
     ``reqs`` requests, or of always the arm ``fixed`` (B or C) on the same rows and
-    times; ``switch_ms`` is added to a step whose arm differs from the step before."""
+    times; ``switch_ms`` is added to a step whose arm differs from the step before;
+    ``keep`` gets the lookup (its trace: bench/gpu/arms_replay.py)."""
     vals, idx, lse, walk, hits = pool
     tree_acc, chain_acc = walk.num_accepted, hits[:, :C].sum(1)
     ch = channel.ArmChannel()  # one engine's: both halves in one process
@@ -68,6 +69,8 @@ def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=Non
     ex = v2_arms.ArmExpect([reqs], C, L, max_reqs=reqs, device="cpu", channel=ch,
                            fused=False)
     lookup = arms.ArmLookup([0] + [B] * reqs, C, ch)
+    if keep is not None:
+        keep.append(lookup)
     clock = [0.0]
     lookup.clock = lambda: clock[0] / 1000
     slots, valid = torch.arange(reqs), torch.ones(reqs, dtype=torch.bool)

@@ -744,9 +744,34 @@ def test_each_measured_step_is_traced_with_the_estimates_of_its_time(ch, monkeyp
     cost = {TREE: 0.008, CHAIN: 0.007}
     simulate(lookup, cost, {TREE: 3.0, CHAIN: 2.0}, steps=12)
     assert len(lookup.trace) == sum(a.steps for a in lookup.stats.values()) > 0
-    for n, k, ms, tokens, et, ec in lookup.trace:
-        assert (n, et, ec) == (1, None, None) and k in (TREE, CHAIN) and 1 <= tokens <= k + 1
+    for n, k, tree, ms, tokens, et, ec in lookup.trace:
+        assert (n, et, ec) == (1, None, None) and tree == (k == TREE) and 1 <= tokens <= k + 1
         assert ms == pytest.approx(1e3 * cost[k], rel=0.06)
     ch.expected[1] = (4.0, 2.5)
     simulate(lookup, cost, {TREE: 3.0, CHAIN: 2.0}, steps=40)
-    assert len(lookup.trace) == 16 and lookup.trace[-1][4:] == [4.0, 2.5]
+    assert len(lookup.trace) == 16 and lookup.trace[-1][5:] == [4.0, 2.5]
+
+
+def test_the_estimates_replayed_against_what_each_arm_realized():
+    """bench/gpu/arms_replay.py on a trace recorded by both halves against the real tree
+    build and walk (bench/arms_sim.py, 27B step times, p60, 300 steps): the tree's
+    published tokens per request-step match what its own steps realized (the paired
+    counts are unbiased), and the chain's estimate is there for its steps."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    import arms_sim
+
+    spec = importlib.util.spec_from_file_location("arms_replay", bench / "gpu" / "arms_replay.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    pool = _tree_step(3, 600, arms_sim.L, arms_sim.V, 16, arms_sim.PROFILES["p60"])
+    kept = []
+    arms_sim.play(pool, 300, 0, 30.3, 29.7, B=16, keep=kept)
+    res = replay.replay(list(kept[0].trace))
+    tree, chain = res[(1, 16)], res[(1, arms_sim.C)]
+    assert tree["steps"] > 200 and 0.93 <= tree["ratio"] <= 1.07, res
+    assert chain["steps"] >= arms.MIN_PAIRED and chain["expected"] is not None, res

@@ -33,9 +33,9 @@ choice (4 x EXPLORE once one is clearly ahead, by 2 Z standard errors or by CLEA
 measured tokens, and both arms have WELL steps; with paired counts a tree that clearly
 leads needs none of the chain's beyond its calibration, whose tokens come from the tree
 steps: H100, 8B shape, a cold p60 cell of 68 steps spent 8 on the chain; EXPLORE / 4
-while the chain leads by less than 2 Z) plays the other arm.  A step time is the median of an arm's last
-RECENT steps, the first step after a switch left out (H200, run 8: at one request the
-tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of another run 7.9
+while the chain leads by less than 2 Z) plays the other arm.  A step time is the median
+of an arm's last RECENT steps, the first step after a switch left out (H200, run 8: at
+one request the tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of another run 7.9
 ms; the cause was not found).  That first step's excess over the new arm's median is
 the switch's cost (summary: switch_ms); where it is positive a choice holds long
 enough that a switch costs at most SWITCH_SHARE of its steps (simulated with 5 ms a
@@ -133,8 +133,9 @@ class ArmLookup(list):
         self._width: dict[int, int] = {}  # batch size -> drafts of its last decode step
         # batch size -> [switches measured, the last RECENT first steps' excess seconds]
         self.switches: dict[int, list] = {}
-        # the last TRACE measured steps: [batch size, drafts, ms, tokens, the published
-        # expected tokens per request-step of the tree and the chain (None: not yet)]
+        # the last TRACE measured steps: [batch size, drafts, tree arm?, ms, tokens, the
+        # published expected tokens per request-step of the tree and the chain (None:
+        # not yet)]
         self.trace: deque = deque(maxlen=TRACE)
         self.channel.clear()  # a fresh start: nothing of an earlier drafter's
 
@@ -273,7 +274,7 @@ class ArmLookup(list):
         tokens = sum(len(x) for x in sampled)
         arm.add(tokens, now - last)
         exp = self.channel.expected.get(n, (None, None))
-        self.trace.append([n, k, round((now - last) * 1e3, 4), tokens,
+        self.trace.append([n, k, k == self.arms[n][0], round((now - last) * 1e3, 4), tokens,
                            *(None if e is None else round(e, 4) for e in exp)])
         if now - self._logged > LOG_EVERY:
             self._logged = now
