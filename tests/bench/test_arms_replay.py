@@ -1,17 +1,12 @@
 """bench/gpu/arms_replay.py on a hand-made step trace (sched/arms.py's ArmLookup.trace)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from .conftest import load_bench
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("arms_replay", BENCH / "gpu" / "arms_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("arms_replay")
 
 
 # [batch size, drafts, tree arm?, ms, tokens, expected tree, expected chain]

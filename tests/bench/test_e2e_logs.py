@@ -1,17 +1,13 @@
 """bench/gpu/e2e_logs.py: ratios per cell and round from gdn_device.sh's e2e logs."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from .conftest import load_bench
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("e2e_logs", BENCH / "gpu" / "e2e_logs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("e2e_logs")
 
 
 def write(folder: Path, rnd: int, cfg: str, tok_s: float, step_ms: float):
