@@ -26,24 +26,24 @@ chain picked on a few rows would hold until its next exploration (run 21, H100, 
 shape: after 3 rows the chain led and held 16-20 steps of a p60 cell where the fixed
 tree ran 1.06x the choice; bench/arms_sim.py reproduced it, 0.947 of the faster arm,
 and gives 0.985 with this rule).  Else (measured tokens) the other arm must beat the
-leader by MARGIN.  The first steps of each arm
-calibrate (MIN_STEPS; MIN_PAIRED with paired counts, where the tree's steps give the
-chain's tokens too); after that, a choice holds WINDOW steps, and every EXPLORE-th
-choice (4 x EXPLORE once one is clearly ahead, by 2 Z standard errors or by CLEAR on
-measured tokens, and both arms have WELL steps; with paired counts a tree that clearly
-leads needs none of the chain's beyond its calibration, whose tokens come from the tree
-steps: H100, 8B shape, a cold p60 cell of 68 steps spent 8 on the chain; EXPLORE / 4
-while the chain leads by less than 2 Z) plays the other arm.  A step time is the median
-of an arm's last RECENT steps, the first step after a switch left out (H200, run 8: at
-one request the tree's first 5 measured steps averaged 12.5-16.6 ms, its 18 steps of another run 7.9
-ms; the cause was not found).  That first step's excess over the new arm's median is
-the switch's cost (summary: switch_ms); where it is positive a choice holds long
-enough that a switch costs at most SWITCH_SHARE of its steps (simulated with 5 ms a
-switch, bench/arms_sim.py: 0.964-0.968 -> 0.977-0.981 of the chain where the chain
-wins).  ddtree_arms=[window, explore] overrides WINDOW and EXPLORE and pins the
-window (tests; settings.py refuses a bad value at engine configuration).  ``trace`` keeps
-the last TRACE measured steps with the estimates published at each (step_bench.py saves
-it per cell: the estimator replayed against what each arm realized).
+leader by MARGIN. The first steps of each arm calibrate (MIN_STEPS; MIN_PAIRED with
+paired counts, where the tree's steps give the chain's tokens too); after that, a choice
+holds WINDOW steps, and every EXPLORE-th choice (4 x EXPLORE once one is clearly ahead,
+by 2 Z standard errors or by CLEAR on measured tokens, and both arms have WELL steps;
+with paired counts a tree that clearly leads needs none of the chain's beyond its
+calibration, whose tokens come from the tree steps: H100, 8B shape, a cold p60 cell of
+68 steps spent 8 on the chain; EXPLORE / 4 while the chain leads by less than 2 Z) plays
+the other arm. A step time is the median of an arm's last RECENT steps, the first step
+after a switch left out (H200, run 8: at one request the tree's first 5 measured steps
+averaged 12.5-16.6 ms, its 18 steps of another run 7.9 ms; the cause was not found).
+That first step's excess over the new arm's median is the switch's cost (summary:
+switch_ms); where it is positive a choice holds long enough that a switch costs at most
+SWITCH_SHARE of its steps (simulated with 5 ms a switch, bench/arms_sim.py: 0.964-0.968
+-> 0.977-0.981 of the chain where the chain wins). ddtree_arms=[window, explore]
+overrides WINDOW and EXPLORE and pins the window (tests; settings.py refuses a bad value
+at engine configuration). ``trace`` keeps the last TRACE measured steps with the
+estimates published at each (step_bench.py saves it per cell: the estimator replayed
+against what each arm realized).
 """
 
 from __future__ import annotations
