@@ -190,6 +190,20 @@ for s in ${STAGES:-install apply tests eq}; do
       timeout $(left ${T_GRAMMAR:-240}) python3 bench/grammar_bench.py --threads "${GRAMMAR_THREADS:-1,8}" \
         --json "$OUT/grammar_bench.json" > "$OUT/grammar_bench.txt" 2>&1; echo "rc=$?"
       grep "^|\|setup" "$OUT/grammar_bench.txt" | tail -30 ;;
+    kprof)  # #29: the 8B-shape decode step by kernel (step_bench.py BENCH_TPROFILE=1, random
+      # drafter: every step a full verify; no e2e), then kernel_prof.py's tables per batch
+      for c in ${KPROF_CONFIGS:-chain15async ddtree64chainasync ddtree63chainasync}; do
+        stamp kprof $c
+        BENCH_SHAPE=qwen3_8b VLLM_USE_V2_MODEL_RUNNER=1 BENCH_BATCHES=${KPROF_BATCHES:-1,2} \
+          BENCH_E2E_BATCHES= BENCH_TPROFILE=1 timeout "$(left ${T_KPROF:-200})" \
+          python3 bench/gpu/step_bench.py "$OUT/kprof" "$c" > "$OUT/kprof_$c.txt" 2>&1
+        grep -E " N [0-9]+ step ms" "$OUT/kprof_$c.txt" | cut -c1-200
+      done
+      for n in $(echo ${KPROF_BATCHES:-1,2} | tr , ' '); do
+        python3 bench/gpu/kernel_prof.py $(for c in ${KPROF_CONFIGS:-chain15async ddtree64chainasync ddtree63chainasync}; do
+          echo "$OUT/kprof/kernels_${c}_N$n.json"; done) > "$OUT/kprof_table_N$n.txt" 2>&1
+        head -40 "$OUT/kprof_table_N$n.txt"
+      done ;;
     e2e)  # the 27B shape end to end (step_bench.py, BENCH_SHAPE=qwen36_27b): step phases,
       # then tokens/s with the calibrated synthetic drafter; alternating fresh processes,
       # E2E_ROUNDS round ids (spread rounds over calls), E2E_CONFIGS step_bench configs
@@ -206,5 +220,5 @@ for s in ${STAGES:-install apply tests eq}; do
   esac
 done
 stamp done
-(cd "$OUT" && for d in eq_eager eq_graphs eq_bf16; do [ -d $d ] && tar czf $d.tgz $d && rm -rf $d; done) 2>/dev/null
+(cd "$OUT" && for d in eq_eager eq_graphs eq_bf16 kprof e2e; do [ -d $d ] && tar czf $d.tgz $d && rm -rf $d; done) 2>/dev/null
 ls "$OUT"

@@ -24,6 +24,8 @@ with random safetensors written here (draft_load_config: safetensors).
     p80 at the other BENCH_E2E_BATCHES; BENCH_E2E_ALL=1: every profile at every batch),
     tau = tokens / steps,
     and every output is checked against the pi-chain (lossless).
+(BENCH_TPROFILE=1: after (b) at each batch, the decode step's device time by kernel,
+kernel_prof.py: kernels_<config>_N<n>.json; compare configs with kernel_prof.py A B.)
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
     CONFIG: nospec | chain15 | chain15async |
@@ -561,6 +563,11 @@ def run_config(name, out_dir, res):
         res[name]["steps"][str(n)] = s
         C.log(name, "N", n, "step ms", s["step_ms"], "gpu", json.dumps(s["gpu_ms"]),
               "cpu", json.dumps(s["cpu_ms"]))
+        if os.environ.get("BENCH_TPROFILE") == "1":  # by kernel (kernel_prof.py, #29)
+            import kernel_prof
+
+            kernel_prof.step_kernels(C, llm, hooks, n, NEW, PROMPT,
+                                     os.path.join(out_dir, f"kernels_{name}_N{n}.json"))
         C.dump(os.path.join(out_dir, "step_bench.json"), res)
     if not E2E_BATCHES:
         C.teardown(llm)
