@@ -10,6 +10,7 @@ Prints a table.
     python bench/arms_sim.py --min-rows 1      # the chain may lead from the first rows
     python bench/arms_sim.py --switch-ms 5     # a switch of arms costs 5 ms more
     python bench/arms_sim.py --z 2             # the chain leads only past 2 standard errors
+    python bench/arms_sim.py --keep-times      # step times known from an earlier cell
 
 Each profile is a calibrated synthetic drafter (the true token at a rank drawn from the
 profile; tests/gpu/test_arms.py's _tree_step) with L = 15, C = 15 and the tree of
@@ -56,26 +57,40 @@ STEP_MS = {"8B, 1": (8.33, 6.98, 64, 1), "8B, 2": (8.5, 7.18, 32, 2),
 
 
 def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None,
-         switch_ms: float = 0.0, reqs: int = 1, B: int = 64, keep: list | None = None):
+         switch_ms: float = 0.0, reqs: int = 1, B: int = 64, keep: list | None = None,
+         keep_times: bool = False):
     """(tokens per ms, share of tree steps) of the choice over ``steps`` steps of
     ``reqs`` requests, or of always the arm ``fixed`` (B or C) on the same rows and
     times; ``switch_ms`` is added to a step whose arm differs from the step before;
-    ``keep`` gets the lookup (its trace: bench/gpu/arms_replay.py)."""
-    vals, idx, lse, walk, hits = pool
-    tree_acc, chain_acc = walk.num_accepted, hits[:, :C].sum(1)
+    ``keep`` gets the lookup (its trace: bench/gpu/arms_replay.py); keep_times: the
+    choice first plays an earlier cell (other rows) and keeps only its step times
+    (ArmLookup.renew(keep_times=True): a running server meeting new text)."""
     ch = channel.ArmChannel()  # one engine's: both halves in one process
     # the kernels' torch references (tests run under TRITON_INTERPRET: slow, and what is
     # simulated here is the choice; tests/gpu/test_paired_counts.py holds them equal)
     ex = v2_arms.ArmExpect([reqs], C, L, max_reqs=reqs, device="cpu", channel=ch,
                            fused=False)
     lookup = arms.ArmLookup([0] + [B] * reqs, C, ch)
-    if keep is not None:
-        keep.append(lookup)
     clock = [0.0]
     lookup.clock = lambda: clock[0] / 1000
+    cell = (pool, ex, clock, ms_tree, ms_chain, fixed, switch_ms, reqs, B)
+    if keep_times and not fixed:
+        _cell(lookup, 40, random.Random(seed + 1000), *cell)
+        lookup = lookup.renew(keep_times=True)
+        ex.reset()
+    if keep is not None:
+        keep.append(lookup)
+    tokens, ms, trees = _cell(lookup, steps, random.Random(seed), *cell)
+    return tokens / ms, trees / steps
+
+
+def _cell(lookup, steps, rng, pool, ex, clock, ms_tree, ms_chain, fixed, switch_ms, reqs, B):
+    """``steps`` steps of the choice (or of ``fixed``) on random rows of the pool:
+    (tokens, ms, tree steps)."""
+    vals, idx, lse, walk, hits = pool
+    tree_acc, chain_acc = walk.num_accepted, hits[:, :C].sum(1)
     slots, valid = torch.arange(reqs), torch.ones(reqs, dtype=torch.bool)
     names = [f"r{i}" for i in range(reqs)]
-    rng = random.Random(seed)
     k, tokens, ms, trees = lookup[reqs], 0, 0.0, 0
     prev = k
     for _ in range(steps):
@@ -95,7 +110,7 @@ def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=Non
         tokens, ms = tokens + sum(emitted), ms + dt
         lookup.observe(*out({r: 1 + k for r in names}, {r: k for r in names}, emitted))
         k = nxt
-    return tokens / ms, trees / steps
+    return tokens, ms, trees
 
 
 def main() -> None:
@@ -114,6 +129,9 @@ def main() -> None:
                     help="the chain leads where it leads by this many standard errors")
     ap.add_argument("--min-rows", type=int, default=arms.MIN_ROWS,
                     help="and only once this many paired rows are in")
+    ap.add_argument("--keep-times", action="store_true",
+                    help="the choice keeps the step times of an earlier cell (a running "
+                         "server); its counts start afresh")
     a = ap.parse_args()
     arms.Z, arms.MIN_ROWS = a.z, a.min_rows
     times = {"given": (a.tree_ms, a.chain_ms, a.budget, a.requests)} if a.tree_ms and a.chain_ms \
@@ -135,7 +153,8 @@ def main() -> None:
             for s in lens:  # each seed: the same rows for the choice and both arms
                 got, chain, best, share = [], [], [], []
                 for seed in range(a.seeds):
-                    g, sh = play(pool, s, seed, mt, mc, switch_ms=a.switch_ms, reqs=r, B=b)
+                    g, sh = play(pool, s, seed, mt, mc, switch_ms=a.switch_ms, reqs=r, B=b,
+                                 keep_times=a.keep_times)
                     c = play(pool, s, seed, mt, mc, fixed=C, reqs=r, B=b)[0]
                     t = play(pool, s, seed, mt, mc, fixed=b, reqs=r, B=b)[0]
                     got.append(g), chain.append(c), best.append(max(c, t)), share.append(sh)

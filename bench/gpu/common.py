@@ -127,13 +127,15 @@ def arms_of(llm):
     return lookup if hasattr(lookup, "observe") else None
 
 
-def reset_arms(llm) -> None:
+def reset_arms(llm, keep_times: bool = False) -> None:
     """A fresh controller (nothing measured yet) in the scheduler, if there is one, and
-    nothing measured in the worker's half (v2_arms.ArmExpect.reset)."""
+    nothing measured in the worker's half (v2_arms.ArmExpect.reset); keep_times: the
+    step times it measured carry over (arms.ArmLookup.renew: a running server)."""
     lookup = arms_of(llm)
     if lookup is None:
         return
-    llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup = lookup.renew()
+    llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup = \
+        lookup.renew(keep_times)
     spec = getattr(runner_of(llm), "speculator", None)
     ex = getattr(spec, "expect", None)
     if ex is not None:

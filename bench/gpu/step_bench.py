@@ -29,7 +29,7 @@ kernel_prof.py: kernels_<config>_N<n>.json; compare configs with kernel_prof.py 
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
     CONFIG: nospec | chain15 | chain15async |
-            ddtree<B>[pb|chain|auto|every][warm][bg|nobg][cg|nocg][async]
+            ddtree<B>[pb|chain|auto|every][warm][kt][bg|nobg][cg|nocg][async]
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
     decoding; chain: budget B for 1-2 requests, a
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
@@ -38,7 +38,8 @@ kernel_prof.py: kernels_<config>_N<n>.json; compare configs with kernel_prof.py 
     at every batch size, the tree or the chain of min(L, B - 1) by tokens/s at each; the chain
     arm's own draft graphs follow the default (on) unless nocg (ddtree_chain_graphs=0)
     or cg (=1); warm: before each timed e2e cell an untimed run of it on other prompts, so the choice is
-    timed in its steady state instead of its start; the tree build replayed from its
+    timed in its steady state instead of its start; kt: the choice keeps its step
+    times from one cell to the next (a running server), its counts start afresh; the tree build replayed from its
     own CUDA graphs follows the default (on) unless nobg (ddtree_build_graphs=0) or
     bg (=1))
 
@@ -98,6 +99,10 @@ def parse(cfg: str):
         # the tree build's own graphs: the default (on) unless nobg, bg pins them on
         bg = "0" if rest.endswith("nobg") else "1" if rest.endswith("bg") else None
         rest = rest[:-4] if bg == "0" else rest[:-2] if bg else rest
+        # kt: the choice keeps its step times from cell to cell (a running server
+        # meeting new text), its counts start afresh
+        kt = rest.endswith("kt")
+        rest = rest[:-2] if kt else rest
         # warm: the choice keeps what an untimed whole run of the cell taught it
         warm = rest.endswith("warm")
         rest = rest[:-4] if warm else rest
@@ -115,7 +120,7 @@ def parse(cfg: str):
         return dict(kind="ddtree", k=k, async_sched=asy, per_batch=sched, auto=auto,
                     every=every,
                     chain=min(L, k) if chain else min(L, k - 1) if auto or every else 0, cg=cg,
-                    warm=warm, bg=bg)
+                    warm=warm, bg=bg, kt=kt)
     raise ValueError(cfg)
 
 
@@ -587,7 +592,8 @@ def run_config(name, out_dir, res):
             if n > 1 and pname not in ("p80", "-") and not E2E_ALL:
                 continue
             toks = C.prompts(n, PROMPT, 1000, 100000, seed=100 + n)
-            C.reset_arms(llm)  # the tree-vs-chain controller learns each cell afresh
+            # the tree-vs-chain controller learns each cell afresh (kt: but its step times)
+            C.reset_arms(llm, keep_times=bool(spec.get("kt")))
             if spec.get("warm") and C.arms_of(llm) is not None:
                 # ... or keeps what a whole untimed run of the cell (other prompts, same
                 # profile and batch) taught it: a server's steady state, not its start

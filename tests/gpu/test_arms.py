@@ -775,3 +775,36 @@ def test_the_estimates_replayed_against_what_each_arm_realized():
     tree, chain = res[(1, 16)], res[(1, arms_sim.C)]
     assert tree["steps"] > 200 and 0.93 <= tree["ratio"] <= 1.07, res
     assert chain["steps"] >= arms.MIN_PAIRED and chain["expected"] is not None, res
+
+
+def test_a_renewal_that_keeps_step_times_needs_no_chain_calibration(ch):
+    """renew(keep_times=True): a running server meeting new text keeps the arms' step
+    times (and switch costs) and forgets their tokens, so with paired counts the chain
+    is not played to calibrate; without paired counts (TP > 1: measured tokens only)
+    it still is, and a plain renew forgets the times too."""
+    ch.paired = True
+    lookup = arms.ArmLookup([0, TREE], CHAIN, ch)
+    simulate(lookup, {TREE: 8.0, CHAIN: 7.0}, {TREE: 4.5, CHAIN: 2.0}, steps=60)
+    old = {k: list(a.recent) for k, a in lookup.stats.items()}
+    assert all(len(r) >= arms.MIN_PAIRED for r in old.values())
+    kept, cold = lookup.renew(keep_times=True), lookup.renew()
+    for k, a in kept.stats.items():
+        assert list(a.recent) == old[k] and a.steps == 0 and a.tokens == 0.0
+    assert all(not a.recent for a in cold.stats.values())
+    ch.expected[1], ch.spread[1] = (4.5, 2.0), (4.0, 3.0, 2.0, 100.0)
+    assert kept[1] == TREE  # the tree calibrates its counts first (it adds the rows)
+    for s in kept.stats.values():  # ... then the chain's known step time suffices
+        if s is kept.stats[(1, TREE)]:
+            for _ in range(arms.MIN_PAIRED):
+                s.add(5, 8.0)
+    kept.hold[1] = 0
+    picks = [kept[1] for _ in range(8 * arms.WINDOW)]
+    assert CHAIN not in picks
+    cold.stats[(1, TREE)].steps = arms.MIN_PAIRED
+    cold.hold[1] = 0
+    assert cold[1] == CHAIN  # no times kept: the chain calibrates
+    ch.paired = False  # measured tokens: the chain's own steps give its tokens
+    again = kept.renew(keep_times=True)
+    for _ in range(arms.MIN_STEPS):
+        again.stats[(1, TREE)].add(5, 8.0)
+    assert again.stats[(1, CHAIN)].recent and again[1] == CHAIN

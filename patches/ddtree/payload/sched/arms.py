@@ -43,7 +43,8 @@ SWITCH_SHARE of its steps (simulated with 5 ms a switch, bench/arms_sim.py: 0.96
 overrides WINDOW and EXPLORE and pins the window (tests; settings.py refuses a bad value
 at engine configuration). ``trace`` keeps the last TRACE measured steps with the
 estimates published at each (step_bench.py saves it per cell: the estimator replayed
-against what each arm realized).
+against what each arm realized). ``renew`` starts a fresh controller (benchmarks: each
+cell afresh); renew(keep_times=True) keeps the step times, as a running server does.
 """
 
 from __future__ import annotations
@@ -139,9 +140,18 @@ class ArmLookup(list):
         self.trace: deque = deque(maxlen=TRACE)
         self.channel.clear()  # a fresh start: nothing of an earlier drafter's
 
-    def renew(self) -> "ArmLookup":
-        """A fresh controller (nothing measured) on the same lookup, channel and knobs."""
-        return type(self)(list(self), self.chain, self.channel, self.pinned, self.clock)
+    def renew(self, keep_times: bool = False) -> "ArmLookup":
+        """A fresh controller (nothing measured) on the same lookup, channel and knobs;
+        keep_times: but the arms' step times and switch costs carry over (a running
+        server meeting new text: a step's cost is the hardware's, not the text's), so
+        with paired counts the chain needs no calibration steps of its own."""
+        new = type(self)(list(self), self.chain, self.channel, self.pinned, self.clock)
+        if keep_times:
+            for key, arm in self.stats.items():
+                new.stats[key].recent.extend(arm.recent)
+            new.switches = {n: [sw[0], deque(sw[1], maxlen=RECENT)]
+                            for n, sw in self.switches.items()}
+        return new
 
     def __getitem__(self, n):
         if type(n) is int and n in self.arms:
@@ -157,8 +167,9 @@ class ArmLookup(list):
         least = MIN_PAIRED if self.channel.paired else MIN_STEPS
         if t.steps < least:
             pick = tree
-        elif c.steps < least:
-            pick = chain
+        elif c.steps < least and not (self.channel.paired and len(c.recent) >= least):
+            pick = chain  # with paired counts the chain's tokens come from tree steps:
+            # a step time it already has (renew(keep_times=True)) calibrates it
         else:
             rate = self.rates(n)
             lead = self.leader[n]
