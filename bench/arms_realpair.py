@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "realpair"))
 sys.path.insert(0, str(HERE / "gpu"))
 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -55,27 +56,10 @@ def texts_of(work: Path, budget: int, chain: int):
     """Per continuation: top-K (vals, idx, lse [P, L, K]), the walk's output tokens and
     accepted counts [P] of the tree of ``budget``, the chain's accepted [P], where
     position p (0-based) drafts continuation[p + 1 ..] after p + 1 tokens are known."""
-    import pair
-    import train
+    from batch_budget_sim import continuations
 
-    pdir = work / "pair"
-    pj = json.load(open(pdir / "prompts.json"))
-    target, _ = train.load_target(pdir / "target", "cpu")
-    drafter, dcfg = pair.load_drafter(pdir / "drafter")
-    block = int(dcfg["block_size"])
-    mask_id = int(dcfg["dflash_config"]["mask_token_id"])
-    cap = pair.AuxCapture(target, dcfg["dflash_config"]["target_layer_ids"])
-    res = []
-    with torch.no_grad():
-        for prompt, cont in zip(pj["prompts"], pj["hf_greedy"]):
-            seq = torch.tensor(prompt + cont).unsqueeze(0)
-            pl = len(prompt)
-            anchors = torch.arange(pl, seq.shape[1] - block + 1).unsqueeze(0)
-            lps, truth = train.drafter_logprobs(drafter, target, cap, seq, anchors,
-                                                {"block": block}, torch.device("cpu"), mask_id)
-            res.append(_arms_of(lps.float(), truth.long(), budget, chain))
-    cap.remove()
-    return res
+    return [_arms_of(lps.float(), truth.long(), budget, chain)
+            for lps, truth in continuations(work)]
 
 
 def _arms_of(lps, truth, budget, chain):

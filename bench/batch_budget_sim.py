@@ -39,27 +39,38 @@ sys.path.insert(0, str(HERE.parent))
 import torch  # noqa: E402
 
 
-def anchors_of(work: Path, bmax: int):
-    """Per anchor: (scores [bmax] in pop order, -inf pads; truth path pop indices)."""
-    import accept
+def continuations(work: Path):
+    """Per held-out greedy continuation of a bench/realpair/train.py output: the
+    drafter's log-probs [P, L, V] and the truths [P, L] at each of its P anchors (anchor
+    p: p + 1 tokens of the continuation known), in order."""
     import pair
     import train
 
     pdir = work / "pair"
     pj = json.load(open(pdir / "prompts.json"))
-    target, tp = train.load_target(pdir / "target", "cpu")
+    target, _ = train.load_target(pdir / "target", "cpu")
     drafter, dcfg = pair.load_drafter(pdir / "drafter")
     block = int(dcfg["block_size"])
     mask_id = int(dcfg["dflash_config"]["mask_token_id"])
     cap = pair.AuxCapture(target, dcfg["dflash_config"]["target_layer_ids"])
+    try:
+        for prompt, cont in zip(pj["prompts"], pj["hf_greedy"]):
+            seq = torch.tensor(prompt + cont).unsqueeze(0)
+            anchors = torch.arange(len(prompt), seq.shape[1] - block + 1).unsqueeze(0)
+            with torch.no_grad():
+                yield train.drafter_logprobs(drafter, target, cap, seq, anchors,
+                                             {"block": block}, torch.device("cpu"), mask_id)
+    finally:
+        cap.remove()
+
+
+def anchors_of(work: Path, bmax: int):
+    """Per anchor: (scores [bmax] in pop order, -inf pads; truth path pop indices)."""
+    import accept
+
     heap_build = accept._heap_build()
     out = []
-    for prompt, cont in zip(pj["prompts"], pj["hf_greedy"]):
-        seq = torch.tensor(prompt + cont).unsqueeze(0)
-        pl = len(prompt)
-        anchors = torch.arange(pl, seq.shape[1] - block + 1).unsqueeze(0)
-        lps, truths = train.drafter_logprobs(drafter, target, cap, seq, anchors,
-                                             {"block": block}, torch.device("cpu"), mask_id)
+    for lps, truths in continuations(work):
         vals, toks = lps.topk(min(bmax, lps.shape[-1]), dim=-1)
         for a in range(lps.shape[0]):
             v, t, tr = vals[a].tolist(), toks[a].tolist(), truths[a].tolist()
@@ -69,7 +80,6 @@ def anchors_of(work: Path, bmax: int):
             dep = torch.zeros(bmax, dtype=torch.int64)
             dep[: len(nodes)] = torch.tensor([d for _, _, d, _ in nodes])
             out.append((sc, dep, len(nodes), accept.path_indices(v, t, tr, bmax)))
-    cap.remove()
     return out
 
 
