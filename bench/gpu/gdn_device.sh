@@ -84,13 +84,15 @@
 # ddtree64autoasync ddtree64chainasync" (does p60 / 1 request reach 0.98 of the fixed
 # tree?); DDTree's V2 host time on a tiny target (a step 6 ms vs the chain's 2.3 ms, no
 # async; realpair's measure, V2): profile it; the V2 fp32 rows (fp32ieee).
-# The session after it got no machine (five tries).  Its plan, ready: call 1 (.gpu-b1)
-# also runs `python3 bench/gpu/gemm_by_m.py $OUT/gemm` (torch only: the 8B verify's GEMMs
-# per M and the cuBLAS kernel per M); call 2: install apply (VERIFY=0), `verify --quick`,
+# The session after it got one H100 call in six tries (call 1 + `python3
+# bench/gpu/gemm_by_m.py $OUT/gemm`: 65 rows 1.026x the chain's 16, 64 rows 1.010x);
+# the machine was taken back during call 2.  Still to run: call 2: install apply
+# (VERIFY=0), `verify --quick`,
 # pytest tests/gpu/test_paired_counts.py tests/gpu/test_arms.py, then STAGES=kprof (chain15async
 # ddtree64chainasync ddtree63chainasync: the step by kernel category, kernel_prof.py);
 # then e2e rounds with E2E_CONFIGS="chain15async ddtree64autoasync ddtree64autoktasync
-# ddtree64chainasync" (kt: the choice keeps its step times across cells, as a server does).
+# ddtree64chainasync" (kt: the choice keeps its step times across cells, as a server does)
+# and ddtree63autoasync (1 + B on 64 rows: B = 63 / 31 at 1 / 2 requests).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
