@@ -566,7 +566,13 @@ def test_a_close_call_goes_to_the_tree(ch):
     ch.spread[3] = var + (arms.MIN_ROWS - 1.0,)  # far ahead, but on too few rows
     e1, e2, e3 = lookup.edge(1), lookup.edge(2), lookup.edge(3)
     assert -arms.Z < e1 < 0 and e2 < -2 * arms.Z and e3 < -arms.Z
-    assert e2 == pytest.approx(e1 * (400 / 20) ** 0.5)
+    # the error bar shrinks as 1 / sqrt(rows) (the prior's pseudo-rows aside)
+    def se(rows):  # the edge's standard error in tokens/ms, the spreads' floor applied
+        floor = arms.PRIOR_VAR * arms.PRIOR_ROWS / (rows + arms.PRIOR_ROWS)
+        vt, vc = (max(v, floor) for v in var[:2])
+        return math.sqrt((vt / 10 ** 2 + vc / 7 ** 2 - 2 * var[2] / 70) / rows)
+    assert e2 * se(400) == pytest.approx(e1 * se(20))
+    assert e2 == pytest.approx(e1 * (400 / 20) ** 0.5, rel=0.01)
     picks = {n: [lookup[n] for _ in range(64)] for n in (1, 2, 3)}
     assert picks[2] == [CHAIN] * 64  # a clear lead: explored every 4 x EXPLORE choices
     # within its noise the tree is played (the chain explored every EXPLORE choices),
@@ -581,7 +587,11 @@ def test_a_close_call_goes_to_the_tree(ch):
     assert lookup.summary()[1]["edge"] == pytest.approx(lookup.edge(1), abs=0.01)
     ch.spread[1] = (0.0, 0.0, 0.0, 50.0)  # a random drafter: 1 token a step each
     ch.expected[1] = (1.0, 1.0)
-    assert lookup.edge(1) == -math.inf and lookup.summary()[1]["edge"] == -99.0
+    assert lookup.edge(1) < -2 * arms.Z  # 50 rows that agree: a clear lead
+    ch.spread[1] = (0.0, 0.0, 0.0, 10.0)  # 10 that agree: the sign, not yet a clear lead
+    assert -2 * arms.Z < lookup.edge(1) < -arms.Z
+    ch.expected[1] = (1.0 * 10 / 7, 1.0)  # the same tokens per second: no edge
+    assert lookup.edge(1) == pytest.approx(0.0, abs=1e-9)
     arms.ArmLookup([0, TREE], CHAIN, ch)  # a fresh start forgets the spread too
     assert ch.spread == {}
 

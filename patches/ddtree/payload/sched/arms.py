@@ -69,6 +69,13 @@ MARGIN = 1.02  # measured tokens: the other arm must beat the leader by 2 % to l
 SWITCH_SHARE = 0.1  # a choice holds long enough that a measured switch costs <= 10 %
 Z = 1.0  # published counts: the chain leads only where it leads by Z std errors
 MIN_ROWS = 8  # and only once this many paired rows (request-steps of the tree) are in
+# a floor under each count's spread, PRIOR_VAR tokens^2 over PRIOR_ROWS + rows: rows
+# that all agree (every draft rejected on both arms, a text's first steps) give a finite
+# edge, not -inf, so the chain then leads without a "clear" lead and the tree is looked
+# at again soon (realpair text 7: 14 rows of 0 accepted); where the counts vary (a weak
+# drafter: var ~0.2 from the first rows) it hardly binds
+PRIOR_ROWS = 2.0
+PRIOR_VAR = 1.0
 LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
 TRACE = 4096  # measured steps kept for a replay of the estimates (``trace``)
 
@@ -236,8 +243,11 @@ class ArmLookup(list):
             return None
         vt, vc, cov, rows = spread
         diff = exp[0] / a - exp[1] / b
-        var = (vt / (a * a) + vc / (b * b) - 2 * cov / (a * b)) / max(rows, 1.0)
-        if var <= 0:  # no spread (a random drafter: one token a step on both arms)
+        rows = max(rows, 1.0)
+        floor = PRIOR_VAR * PRIOR_ROWS / (rows + PRIOR_ROWS)
+        vt, vc = max(vt, floor), max(vc, floor)
+        var = (vt / (a * a) + vc / (b * b) - 2 * cov / (a * b)) / rows
+        if var <= 0:  # PRIOR_VAR = 0 and no spread
             return math.copysign(math.inf, diff) if diff else 0.0
         return diff / math.sqrt(var)
 
