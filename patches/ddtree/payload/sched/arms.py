@@ -25,7 +25,8 @@ only a tree step adds rows, so a close call goes to the tree, which settles it, 
 chain picked on a few rows would hold until its next exploration (run 21, H100, 27B
 shape: after 3 rows the chain led and held 16-20 steps of a p60 cell where the fixed
 tree ran 1.06x the choice; bench/arms_sim.py reproduced it, 0.947 of the faster arm,
-and gives 0.985 with this rule).  Else (measured tokens) the other arm must beat the
+and gives 0.985 with this rule); each count's spread has a floor (PRIOR_VAR), so rows
+that all agree are not read as certainty.  Else (measured tokens) the other arm must beat the
 leader by MARGIN. The first steps of each arm calibrate (MIN_STEPS; MIN_PAIRED with
 paired counts, where the tree's steps give the chain's tokens too); after that, a choice
 holds WINDOW steps, and every EXPLORE-th choice (4 x EXPLORE once one is clearly ahead,
