@@ -550,8 +550,9 @@ def test_a_close_call_goes_to_the_tree(ch):
     more than Z standard errors of the paired counts, once MIN_ROWS rows are in: only
     a tree step adds rows, so a close call (or a few rows) goes to the tree, which
     settles it (run 21: a chain picked on 3 rows held 16-20 steps of a p60 cell); a
-    chain that leads by less than 2 Z has the tree looked at again soon; no spread:
-    the sign decides."""
+    chain that leads by less than 2 Z has the tree looked at again soon; rows that
+    all agree (no spread): the sign decides, a clear lead only after enough of them
+    (the spread's floor, PRIOR_VAR)."""
     lookup = arms.ArmLookup([0, TREE, TREE, TREE], CHAIN, ch)
     for n in (1, 2, 3):
         for k, dt in ((TREE, 0.010), (CHAIN, 0.007)):
