@@ -93,7 +93,7 @@
 # then e2e rounds with E2E_CONFIGS="chain15async ddtree64autoasync ddtree64autoktasync
 # ddtree64chainasync" (kt: the choice keeps its step times across cells, as a server does)
 # and ddtree63autoasync (1 + B on 64 rows: B = 63 / 31 at 1 / 2 requests).
-# Stop 47 got no machine (8 tries; the failed starts spent 2/3 of the device time).  The
+# Stop 47 got no machine (10 tries; the failed starts spent 5/6 of the device time).  The
 # same plan stands; with little device time, call 2 alone (install apply, then pytest
 # tests/gpu/test_paired_counts.py tests/gpu/test_arms.py, ~4 minutes) is the first
 # thing worth having, kprof (KPROF_CONFIGS="chain15async ddtree64chainasync") the second.
