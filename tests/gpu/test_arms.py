@@ -545,7 +545,7 @@ def test_a_tree_step_prices_every_smaller_tree_exactly(monkeypatch, ch):
     assert lookup.summary()[n]["subtrees"] == {4: 1.5}
 
 
-def test_a_close_call_goes_to_the_tree(ch):
+def test_a_close_call_goes_to_the_tree(ch, monkeypatch):
     """With both counts published, the chain leads only where the tree trails it by
     more than Z standard errors of the paired counts, once MIN_ROWS rows are in: only
     a tree step adds rows, so a close call (or a few rows) goes to the tree, which
@@ -593,6 +593,10 @@ def test_a_close_call_goes_to_the_tree(ch):
     assert -2 * arms.Z < lookup.edge(1) < -arms.Z
     ch.expected[1] = (1.0 * 10 / 7, 1.0)  # the same tokens per second: no edge
     assert lookup.edge(1) == pytest.approx(0.0, abs=1e-9)
+    monkeypatch.setattr(arms, "PRIOR_VAR", 0.0)  # no floor: agreeing rows are certain
+    ch.spread[1], ch.expected[1] = (0.0, 0.0, 0.0, 50.0), (1.0, 1.0)
+    assert lookup.edge(1) == -math.inf and lookup.summary()[1]["edge"] == -99.0
+    monkeypatch.undo()
     arms.ArmLookup([0, TREE], CHAIN, ch)  # a fresh start forgets the spread too
     assert ch.spread == {}
 
