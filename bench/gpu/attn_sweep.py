@@ -18,8 +18,9 @@ import time
 
 import torch
 
-SHAPES = [(1, 64), (1, 16), (4, 64), (1, 256), (16, 64)]  # (N, B)
-BUCKETS = [(96, [(1, 64), (1, 16)]), (512, [(4, 64), (1, 256)]), (2048, [(16, 64)])]
+# (N, B); B = 63: the V2 default's tree for num_speculative_tokens = 64 (1 + B on a tile)
+SHAPES = [(1, 63), (1, 16), (2, 63), (4, 64), (1, 256), (16, 64)]
+BUCKETS = [(96, [(1, 63), (1, 16)]), (512, [(2, 63), (4, 64), (1, 256)]), (2048, [(16, 64)])]
 STAGE1 = [dict(block_q=bq, block_n=bn, splits=s)
           for bq, bn, s in itertools.product((8, 16, 32), (32, 64), (1, 4, 8, 16))]
 STAGE2 = [dict(num_warps=w, num_stages=st) for w, st in ((4, 1), (4, 2), (4, 3), (8, 2), (8, 3))]

@@ -1,13 +1,17 @@
 """Ratios to the chain per cell and round, read from gdn_device.sh's e2e logs.
 
-    python bench/gpu/e2e_logs.py DIR [--chain chain15async] [--fixed CONFIG]
+    python bench/gpu/e2e_logs.py DIR [--chain chain15async] [--fixed CONFIG] [--estimates]
 
 DIR holds e2e_r<round>_<config>.txt (one fresh process per config and round).  The
 device returns at most 8 files a call, so a call's step_bench.json files may stay
 behind; its logs carry the same numbers (one line per cell: tokens/s, and the step
 bench's "N <n> step ms").  Prints, per cell, each config's median ratio to the chain
 (min-max over the rounds that ran both) and, with --fixed, the other configs' ratio to
-that config in the same round (the choice against the fixed tree).
+that config in the same round (the choice against the fixed tree).  --estimates: per
+config with the choice (its cells log sched/arms.py's summary), the tree arm's last
+estimate / what it realized on its own steps, and the chain arm's (paired) estimate /
+the chain config's tau in the same cell and round: whether the choice's numbers
+predict what each arm delivers.
 """
 
 from __future__ import annotations
@@ -45,6 +49,58 @@ def read(folder: Path) -> dict:
     return out
 
 
+def cell_docs(folder: Path) -> dict:
+    """{(config, round): {(cell, n): the cell's JSON}} from the e2e lines."""
+    out: dict = {}
+    for f in sorted(folder.glob("e2e_r*_*.txt")):
+        m = _FILE.search(f.name)
+        if not m:
+            continue
+        rnd, cfg = int(m.group(1)), m.group(2)
+        for line in f.read_text(errors="replace").splitlines():
+            e = _E2E.match(line)
+            if e and e.group(1) == cfg:
+                out.setdefault((cfg, rnd), {})[(e.group(2), int(e.group(3)))] = \
+                    json.loads(e.group(4))
+    return out
+
+
+def estimates(folder: Path, chain: str) -> dict:
+    """{(config, cell, n): {"tree": [est / realized per round], "chain": [paired est /
+    the chain config's tau per round], "steps": tree steps}} where the arms' summary
+    has both arms at the cell's batch size."""
+    docs = cell_docs(folder)
+    out: dict = {}
+    for (cfg, rnd), cells in sorted(docs.items()):
+        base = docs.get((chain, rnd), {})
+        for (cell, n), doc in sorted(cells.items()):
+            arms = (doc.get("arms") or {}).get(str(n))
+            if not arms:
+                continue
+            tree = next((v for k, v in arms.items() if k.startswith("tree ")), None)
+            ch = next((v for k, v in arms.items() if k.startswith("chain ")), None)
+            if tree is None or ch is None:
+                continue
+            r = out.setdefault((cfg, cell, n), {"tree": [], "chain": [], "steps": []})
+            if tree.get("expected") and tree.get("measured"):
+                r["tree"].append(tree["expected"] / tree["measured"])
+                r["steps"].append(tree.get("steps", 0))
+            tau = base.get((cell, n), {}).get("tau")
+            if ch.get("expected") and tau:
+                r["chain"].append(ch["expected"] / tau)
+    return out
+
+
+def estimates_table(est: dict, chain: str) -> str:
+    lines = ["| config | cell | tree: estimate / realized (its steps) | chain: paired "
+             f"estimate / {chain}'s tau |", "|---|---|---|---|"]
+    for (cfg, cell, n), r in sorted(est.items()):
+        steps = f"; {statistics.median(r['steps']):.0f} steps" if r["steps"] else ""
+        lines.append(f"| {cfg} | {cell} N {n} | {fmt(r['tree'])}{steps} | "
+                     f"{fmt(r['chain'])} |")
+    return "\n".join(lines)
+
+
 def ratios(a: dict, b: dict) -> list[float]:
     """a[r] / b[r] over the rounds both ran."""
     return [a[r] / b[r] for r in sorted(a) if r in b and b[r]]
@@ -80,11 +136,21 @@ def main(argv=None) -> int:
     ap.add_argument("folder", type=Path)
     ap.add_argument("--chain", default="chain15async")
     ap.add_argument("--fixed", default=None, help="a config to hold the others against")
+    ap.add_argument("--estimates", action="store_true",
+                    help="the choice's estimates against what each arm realized")
     args = ap.parse_args(argv)
     data = read(args.folder)
     if not data:
         print(f"e2e_logs: no e2e_r<round>_<config>.txt lines in {args.folder}", file=sys.stderr)
         return 2
+    if args.estimates:
+        est = estimates(args.folder, args.chain)
+        if not est:
+            print(f"e2e_logs: no cell in {args.folder} logs the choice's arms", file=sys.stderr)
+            return 2
+        print(estimates_table(est, args.chain))
+        print("ratios: median (min-max, rounds); > 1 overestimates")
+        return 0
     print(table(data, args.chain, args.fixed))
     print("step rows: ms per step (ratio < 1 is faster); other rows: tokens/s "
           "(ratio > 1 is faster); (min-max, rounds)")

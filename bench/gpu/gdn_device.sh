@@ -97,6 +97,18 @@
 # same plan stands; with little device time, call 2 alone (install apply, then pytest
 # tests/gpu/test_paired_counts.py tests/gpu/test_arms.py, ~4 minutes) is the first
 # thing worth having, kprof (KPROF_CONFIGS="chain15async ddtree64chainasync") the second.
+# Run 23 (H100, the machine at the first try) did b1; install apply, verify --quick, the
+# paired-count GPU tests (45 passed); kprof chain / B = 64 / B = 63; e2e 3 rounds with
+# "chain15async ddtree64autoasync ddtree64autoktasync ddtree64chainasync", then with
+# "chain15async ddtree63autoasync ddtree63chainasync"; startup 1 / 8 / 64.  B = 63 won
+# every cell at 1-2 requests: the V2 default is now 63 at 1 and 2 requests for B = 64
+# (so ddtree64auto* means 63 / 63 from here on).  Next: b1; install apply (VERIFY=0);
+# e2e 3 rounds, E2E_CONFIGS="chain15async ddtree64autoasync ddtree64autoktasync
+# ddtree63chainasync" (the new default with the choice against its fixed tree); the
+# tree attention sweep at 1-2 requests (`SWEEP_SHAPES=1x63,2x63 SWEEP_BUDGET_S=200
+# python3 bench/gpu/attn_sweep.py $OUT/sweep`: +0.54 ms a step against FA3 at 1 request
+# is the largest piece left; its TUNING table was swept on an H200 for 65 rows);
+# startup at 256; the V2 fp32 rows (fp32ieee) with the new default.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -33,7 +33,8 @@ kernel_prof.py: kernels_<config>_N<n>.json; compare configs with kernel_prof.py 
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
     decoding; chain: budget B for 1-2 requests, a
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
-    pinned, DDTree's V2 default: B at 1 request, B // 2 at 2, chains of min(L, B - 1)
+    pinned, DDTree's V2 default (config.default_schedule: B = 64 verifies 63 at 1-2
+    requests after run 23; in runs up to 23 64 at 1, 32 at 2), chains of min(L, B - 1)
     from 3 on, and at 1-2 requests the tree or the chain by tokens/s, arms.py; every: B
     at every batch size, the tree or the chain of min(L, B - 1) by tokens/s at each; the chain
     arm's own draft graphs follow the default (on) unless nocg (ddtree_chain_graphs=0)

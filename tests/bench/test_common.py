@@ -96,7 +96,7 @@ def test_config_names_of_the_step_bench():
     cg = sb.parse("ddtree64autocgasync")
     assert cg["cg"] and cg["auto"] and cg["async_sched"] and cg["k"] == 64 and cg["chain"] == 15
     assert cg["cg"] == "1" and sb.parse("ddtree64autoasync")["cg"] is None  # the default
-    assert cg["per_batch"] == [[1, 1, 64], [2, 2, 32], [3, 1 << 16, 15]]  # DDTree's V2 default
+    assert cg["per_batch"] == [[1, 2, 63], [3, 1 << 16, 15]]  # DDTree's V2 default (64 -> 63)
     assert sb.parse("ddtree16autoasync")["per_batch"] == [[1, 2, 16], [3, 1 << 16, 15]]
     off = sb.parse("ddtree64autonocgasync")
     assert off["cg"] == "0" and off["auto"] and off["k"] == 64

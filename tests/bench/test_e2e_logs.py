@@ -40,3 +40,36 @@ def test_ratios_per_round_and_against_the_fixed_tree(tmp_path):
 def test_an_empty_folder_says_so(tmp_path, capsys):
     assert load().main([str(tmp_path)]) == 2
     assert "no e2e_r" in capsys.readouterr().err
+
+
+def test_estimates_against_what_each_arm_realized(tmp_path, capsys):
+    """--estimates: the tree's last estimate / its realized tokens, the chain arm's
+    paired estimate / the chain config's tau in the same cell and round."""
+    m = load()
+
+    def line(cfg, doc):
+        return f"22:18:24 {cfg} e2e p80 N 2 {json.dumps(doc)}\n"
+
+    for r, (tau, est) in enumerate([(4.0, 3.6), (5.0, 5.5)], 1):
+        (tmp_path / f"e2e_r{r}_chain15async.txt").write_text(
+            line("chain15async", {"tok_per_s": 100.0, "tau": tau}))
+        arms = {"2": {"tree 32": {"expected": 6.0, "measured": 5.0, "steps": 40},
+                      "chain 15": {"expected": est, "measured": 4.1, "steps": 7}},
+                "1": {"tree 64": {"expected": 9.0, "measured": 9.0, "steps": 0}}}
+        (tmp_path / f"e2e_r{r}_auto.txt").write_text(
+            line("auto", {"tok_per_s": 90.0, "tau": 5.0, "arms": arms}) +
+            line("fixed", {"tok_per_s": 80.0, "tau": 5.0}))  # not this file's config
+    est = m.estimates(tmp_path, "chain15async")
+    assert list(est) == [("auto", "p80", 2)]  # batch size 1 is not this cell's
+    r = est[("auto", "p80", 2)]
+    assert r["tree"] == [1.2, 1.2] and r["steps"] == [40, 40]
+    assert [round(x, 6) for x in r["chain"]] == [0.9, 1.1]
+    assert m.main([str(tmp_path), "--estimates"]) == 0
+    out = capsys.readouterr().out
+    assert "| auto | p80 N 2 | 1.200 (1.200-1.200, 2); 40 steps | 1.000 (0.900-1.100, 2) |" \
+        in out
+    # logs without the choice's arms: said so, rc 2
+    for f in tmp_path.glob("e2e_r*_auto.txt"):
+        f.unlink()
+    assert m.main([str(tmp_path), "--estimates"]) == 2
+    assert "logs the choice's arms" in capsys.readouterr().err

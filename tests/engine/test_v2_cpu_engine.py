@@ -9,8 +9,9 @@ a stand-in "cpu" backend registered by a sitecustomize, as test_v2_helpers.py do
 the one V2 kernel the interpreter cannot run, the grammar bitmask's, runs as the same
 arithmetic in torch (the sitecustomize's BitmaskKernel).
 One no-spec process and one DDTree process: tree steps forced (ddtree_chain_budget 0,
-a synthetic drafter that accepts through siblings), V2's default schedule fixed (trees at
-1-2 requests, chain steps from 3), and a 24-token target for the sampled chi-square.
+a synthetic drafter that accepts through siblings), a schedule of the V2 default's shape
+fixed (trees of 8 / 4 at 1 / 2 requests, chain steps from 3), and a 24-token target for
+the sampled chi-square.
 """
 
 from __future__ import annotations
@@ -107,9 +108,10 @@ def v2(patched_env, tiny_models, make_tiny_models, engine_prompts, tmp_path_fact
 
     got = _run(py, {"configs": [
         ddtree("trees", ddtree_chain_budget=0, ddtree_synthetic=str(synth)),
-        # V2's default schedule, fixed (no tree-or-chain choice): trees of 8 at 1
-        # request, of 4 at 2, chain steps of 3 while 3 or more requests run
-        ddtree("schedule", ddtree_budget_control="off", ddtree_synthetic=str(synth)),
+        # a schedule of the V2 default's shape for B >= 128, fixed (no tree-or-chain
+        # choice): trees of 8 at 1 request, of 4 at 2, chain steps of 3 from 3 requests
+        ddtree("schedule", ddtree_budget_control="off", ddtree_synthetic=str(synth),
+               num_speculative_tokens_per_batch_size=[[1, 1, 8], [2, 2, 4], [3, 65536, 3]]),
         {**ddtree("small_b8", ddtree_chain_budget=0), "jobs": sampled,
          "llm": {"model": small["target"], "speculative_config": {
              "method": "ddtree", "model": small["drafter"], "num_speculative_tokens": 8,

@@ -524,15 +524,16 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
     refused("or a draft count in 1..3", drafter, chain=-1, VLLM_DDTREE_V2="1")
     assert config(drafter, chain=3, VLLM_USE_V2_MODEL_RUNNER="1").speculative_config \
         .ddtree_chain_budget == 3
-    # DDTree's V2 default: a tree of B at 1 request, of B // 2 at 2, chains of min(L, B - 1)
-    # from 3 on, a schedule vLLM's own lookup reads; 0 keeps B for every batch size
+    # DDTree's V2 default: a tree at 1-2 requests (B = 8: under one 16-row tile, so 8 at
+    # both), chains of min(L, B - 1) from 3 on, a schedule vLLM's own lookup reads; 0
+    # keeps B for every batch size
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
     sc = config(drafter, VLLM_USE_V2_MODEL_RUNNER="1").speculative_config
     assert sc.ddtree_chain_budget == 3 and sc.uses_dynamic_speculative_decoding()
     assert sc.ddtree_config.chain_budget == 3 and sc.ddtree_config.budget_control == "auto"
     assert build_dynamic_sd_schedule_lookup(sc.num_speculative_tokens_per_batch_size, 4,
-                                            8) == [0, 8, 4, 3, 3]
+                                            8) == [0, 8, 8, 3, 3]
     sc = config(drafter, chain=0, VLLM_USE_V2_MODEL_RUNNER="1").speculative_config
     assert sc.num_speculative_tokens_per_batch_size is None
     assert config(drafter).speculative_config.num_speculative_tokens_per_batch_size is None
@@ -550,7 +551,12 @@ def speculator_main(target: str, drafter: str, mixed: str) -> None:
 
     _check_scheduler_arms(lambda **env: config(drafter, **env))
 
-    cfg = config(mixed, VLLM_USE_V2_MODEL_RUNNER="1")
+    # the speculator with trees of two sizes (8 at 1 request, 4 at 2: the default's shape
+    # for B >= 128) and chains from 3, under the choice
+    cfg = config(mixed, keys={"ddtree_budget_control": "auto",
+                              "num_speculative_tokens_per_batch_size":
+                              [[1, 1, 8], [2, 2, 4], [3, 65536, 3]]},
+                 VLLM_USE_V2_MODEL_RUNNER="1")
     assert cfg.use_v2_model_runner and cfg.speculative_config.num_speculative_tokens == 8
     torch.accelerator.empty_cache = lambda: None  # model loading on a CPU-only torch
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -631,8 +637,8 @@ def _check_build_graphs(spec) -> None:
 def _check_target_chain_graphs(cfg) -> None:
     """vLLM's own target graph manager (patched _init_candidates): FULL decode graphs
     for the chain arm's 1 + C queries at the tree batch sizes, also where the schedule
-    up to max_num_seqs holds no chain (max_num_seqs = 2 of [[1, 1, 8], [2, 2, 4],
-    [3, .., 3]]);
+    up to max_num_seqs holds no chain (max_num_seqs = 2 of the schedule [[1, 1, 8],
+    [2, 2, 4], [3, .., 3]]);
     the stock lengths without the tree-vs-chain choice."""
     import torch
     from vllm.config.compilation import CUDAGraphMode
@@ -769,7 +775,7 @@ def _check_scheduler_arms(config) -> None:
         assert isinstance(lookup, ArmLookup), type(lookup)
         # the worker half of this engine publishes to the same channel
         assert lookup.channel is v2_cfg.speculative_config.ddtree_config.channel
-        assert lookup.arms == {1: (8, 3), 2: (4, 3)} and lookup[3] == 3
+        assert lookup.arms == {1: (8, 3), 2: (8, 3)} and lookup[3] == 3
         clock = [0.0]
         lookup.clock = lambda: clock[0]
         s.add_request(Request("r0", list(range(2, 12)), SamplingParams(

@@ -304,7 +304,7 @@ def _engine_cfg(v2=True, **spec):
                            speculative_config=SimpleNamespace(**{**base, **spec}))
 
 
-DEFAULT = [[1, 1, 32], [2, 2, 16], [3, 1 << 16, 7]]
+DEFAULT = [[1, 2, 31], [3, 1 << 16, 7]]  # B = 32 -> 31 (32 rows) at 1-2 requests
 
 
 @pytest.mark.parametrize("given,want_sched,want_chain,want_control", [
@@ -317,16 +317,16 @@ DEFAULT = [[1, 1, 32], [2, 2, 16], [3, 1 << 16, 7]]
     ({"ddtree_budget_control": "off"}, DEFAULT, 7, "off"),  # the default, fixed
     ({"ddtree_budget_control": "auto"}, DEFAULT, 7, "auto"),
     ({"ddtree_budget_control": "auto", "ddtree_chain_budget": 3},
-     [[1, 1, 32], [2, 2, 16], [3, 1 << 16, 3]], 3, "auto"),
+     [[1, 2, 31], [3, 1 << 16, 3]], 3, "auto"),
     ({"ddtree_budget": 14}, [[1, 2, 14], [3, 1 << 16, 7]], 7, "auto"),  # B // 2 <= C
     ({"ddtree_budget_control": "auto", "num_speculative_tokens_per_batch_size": [[1, 8, 16]]},
      [[1, 8, 16]], 7, "auto"),                           # the user's, tree vs chain
 ])
 def test_v2_default_budget_per_batch_size(config_module, monkeypatch, given, want_sched,
                                           want_chain, want_control):
-    """On V2 without a schedule DDTree verifies a tree of B at 1 request and of B // 2
-    at 2 (played against the chain by the controller) and chains from 3 on; a schedule or chain budget the
-    user set alone is kept as given."""
+    """On V2 without a schedule DDTree verifies a tree of about B at 1-2 requests
+    (played against the chain by the controller) and chains from 3 on; a schedule or
+    chain budget the user set alone is kept as given."""
     sys.modules["vllm"].envs = _stub(monkeypatch, "vllm.envs", VLLM_USE_V2_MODEL_RUNNER=None)
     monkeypatch.delenv("VLLM_DDTREE_ASYNC", raising=False)
     cfg = _engine_cfg(**given)
@@ -342,6 +342,27 @@ def test_v2_default_budget_per_batch_size(config_module, monkeypatch, given, wan
     # vLLM re-runs the hook on copies of the engine config: the same object (channel)
     config_module.ddtree_vllm_config(cfg)
     assert spec.ddtree_config is dc
+
+
+@pytest.mark.parametrize("b,c,want", [
+    (64, 15, [[1, 2, 63], [3, 1 << 16, 15]]),      # 1 + 63 = 64 rows at 1, 128 at 2
+    (63, 15, [[1, 2, 63], [3, 1 << 16, 15]]),      # already on a tile
+    (128, 15, [[1, 1, 127], [2, 2, 63], [3, 1 << 16, 15]]),  # B // 2 on a tile at 2
+    (256, 15, [[1, 1, 255], [2, 2, 127], [3, 1 << 16, 15]]),
+    (32, 15, [[1, 2, 31], [3, 1 << 16, 15]]),      # B at 2 where B // 2 < 63
+    (16, 15, [[1, 2, 16], [3, 1 << 16, 15]]),      # 15 would be no longer than the chain
+    (17, 15, [[1, 2, 17], [3, 1 << 16, 15]]),
+    (6, 5, [[1, 2, 6], [3, 1 << 16, 5]]),          # below one tile: B as given
+    (200, 100, [[1, 2, 191], [3, 1 << 16, 100]]),  # B // 2 no longer than C: 1's tree
+])
+def test_default_schedule_ends_trees_on_a_tile(config_module, b, c, want):
+    """The default tree at 1-2 requests ends 1 + drafts on a 16-row tile where that
+    stays longer than the chain (bench/RESULTS.md: 65 rows cost a tile more than 64)."""
+    sched = config_module.default_schedule(b, c)
+    assert sched == want
+    trees = [k for _, hi, k in sched if hi <= 2]
+    assert all(k > c and k <= b for k in trees)
+    assert all((k + 1) % 16 == 0 or k == b for k in trees)
 
 
 @pytest.mark.parametrize("given,match", [

@@ -377,26 +377,43 @@ def refuse_recurrent_target(vllm_config) -> None:
 
 
 # The budget per batch size DDTree sets on the V2 runner when the user set none: a tree
-# of B at 1 request, of B // 2 each at 2 (the same verified tokens a step as at 1) where
-# that is still longer than the chain, chain steps (the DFlash chain's cost) from there
-# on.  H200, Qwen3-8B shape (bench/RESULTS.md): a B = 64 step costs 1.16-1.18x the
-# chain's at 1 request, 1.34-1.4x at 2 and 1.6x at 4; B = 32 at 2 requests 1.08-1.13x
-# (run 11), which at p60-like acceptance gave 1.32x the chain's tokens/s end to end.
+# at 1 and 2 requests, chain steps (the DFlash chain's cost) from 3 on.  Each tree is
+# cut to end 1 + drafts on a ROW_TILE multiple (B = 64 -> 63, 32 -> 31), and at 2
+# requests it is B // 2 each but no fewer than TWO_REQ_DRAFTS.  H100, Qwen3-8B shape
+# (bench/RESULTS.md "#29: the step by kernel"): 1 + 63 rows cost 1.13x the chain's step
+# against 1.14x for 65, and 2 x 64 rows 1.16x against 1.28x for 2 x 65 (the GEMMs and
+# the tree attention both pad the 65th row to a new tile); end to end a fixed B = 63
+# tree beat a fixed B = 64 in all 8 cells at 1-2 requests, and at 2 requests the old
+# default's B // 2 (with the choice) in 3 of 4.
+ROW_TILE = 16
+TWO_REQ_DRAFTS = 63
+
+
+def on_tile(d: int, c: int) -> int:
+    """The largest t <= d with 1 + t a ROW_TILE multiple, where t stays above the chain
+    C; else d (a tree no longer than the chain plays nothing the chain does not)."""
+    t = (d + 1) // ROW_TILE * ROW_TILE - 1
+    return t if t > c else d
 
 
 def default_schedule(b: int, c: int) -> list:
     """DDTree's V2 schedule for budget B and chain C: [[lo, hi, drafts], ...]."""
-    if b // 2 > c:
-        return [[1, 1, b], [2, 2, b // 2], [3, 1 << 16, c]]
-    return [[1, 2, b], [3, 1 << 16, c]]
+    one = on_tile(b, c)
+    two = on_tile(min(b, max(b // 2, TWO_REQ_DRAFTS)), c)
+    if two <= c:
+        two = one
+    if two == one:
+        return [[1, 2, one], [3, 1 << 16, c]]
+    return [[1, 1, one], [2, 2, two], [3, 1 << 16, c]]
 
 
 def default_batch_policy(vllm_config, spec) -> None:
     """V2 runner: the budget per batch size and the tree-vs-chain controller.
 
-    Nothing set about budgets (DDTree's V2 default): a tree of B drafts at 1 request and
-    of B // 2 at 2 (B at 2 where B // 2 <= C), a chain of C = min(L, B - 1) drafts from
-    3 on (``default_schedule``), and ddtree_budget_control='auto': at the tree batch
+    Nothing set about budgets (DDTree's V2 default): a tree of about B drafts at 1
+    request and of about max(B // 2, 63) at 2, each ending on a 16-row tile, a chain of
+    C = min(L, B - 1) drafts from 3 on (``default_schedule``), and
+    ddtree_budget_control='auto': at the tree batch
     sizes the scheduler plays the tree or the chain, whichever delivers more tokens/s
     (arms.py).
     'off': that schedule, fixed.  'auto' with the user's schedule: the arms at its batch
