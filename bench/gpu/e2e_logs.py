@@ -28,40 +28,39 @@ _E2E = re.compile(r"\S+ (\S+) e2e (\S+) N (\d+) (\{.*)")
 _STEP = re.compile(r"\S+ (\S+) N (\d+) step ms (\S+)")
 
 
+def lines(folder: Path):
+    """(round, config, line) for each line of the e2e_r<round>_<config>.txt files."""
+    for f in sorted(folder.glob("e2e_r*_*.txt")):
+        m = _FILE.search(f.name)
+        if m:
+            for line in f.read_text(errors="replace").splitlines():
+                yield int(m.group(1)), m.group(2), line
+
+
 def read(folder: Path) -> dict:
     """{(cell, n): {config: {round: value}}}; cell "step" holds ms, others tokens/s."""
     out: dict = {}
-    for f in sorted(folder.glob("e2e_r*_*.txt")):
-        m = _FILE.search(f.name)
-        if not m:
+    for rnd, cfg, line in lines(folder):
+        e = _E2E.match(line)
+        if e and e.group(1) == cfg:
+            v = json.loads(e.group(4))["tok_per_s"]
+            out.setdefault((e.group(2), int(e.group(3))), {}).setdefault(cfg, {})[rnd] = v
             continue
-        rnd, cfg = int(m.group(1)), m.group(2)
-        for line in f.read_text(errors="replace").splitlines():
-            e = _E2E.match(line)
-            if e and e.group(1) == cfg:
-                v = json.loads(e.group(4))["tok_per_s"]
-                out.setdefault((e.group(2), int(e.group(3))), {}).setdefault(cfg, {})[rnd] = v
-                continue
-            s = _STEP.match(line)
-            if s and s.group(1) == cfg:
-                out.setdefault(("step", int(s.group(2))), {}).setdefault(cfg, {})[rnd] = \
-                    float(s.group(3))
+        s = _STEP.match(line)
+        if s and s.group(1) == cfg:
+            out.setdefault(("step", int(s.group(2))), {}).setdefault(cfg, {})[rnd] = \
+                float(s.group(3))
     return out
 
 
 def cell_docs(folder: Path) -> dict:
     """{(config, round): {(cell, n): the cell's JSON}} from the e2e lines."""
     out: dict = {}
-    for f in sorted(folder.glob("e2e_r*_*.txt")):
-        m = _FILE.search(f.name)
-        if not m:
-            continue
-        rnd, cfg = int(m.group(1)), m.group(2)
-        for line in f.read_text(errors="replace").splitlines():
-            e = _E2E.match(line)
-            if e and e.group(1) == cfg:
-                out.setdefault((cfg, rnd), {})[(e.group(2), int(e.group(3)))] = \
-                    json.loads(e.group(4))
+    for rnd, cfg, line in lines(folder):
+        e = _E2E.match(line)
+        if e and e.group(1) == cfg:
+            out.setdefault((cfg, rnd), {})[(e.group(2), int(e.group(3)))] = \
+                json.loads(e.group(4))
     return out
 
 
