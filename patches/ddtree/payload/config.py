@@ -413,9 +413,8 @@ def default_batch_policy(vllm_config, spec) -> None:
     Nothing set about budgets (DDTree's V2 default): a tree of about B drafts at 1
     request and of about max(B // 2, 63) at 2, each ending on a 16-row tile, a chain of
     C = min(L, B - 1) drafts from 3 on (``default_schedule``), and
-    ddtree_budget_control='auto': at the tree batch
-    sizes the scheduler plays the tree or the chain, whichever delivers more tokens/s
-    (arms.py).
+    ddtree_budget_control='auto': at the tree batch sizes the scheduler plays the tree
+    or the chain, whichever delivers more tokens/s (arms.py).
     'off': that schedule, fixed.  'auto' with the user's schedule: the arms at its batch
     sizes whose budget exceeds C (the user's ddtree_chain_budget, else min(L, B - 1)).
     A schedule or a chain budget alone: kept as given (ddtree_chain_budget=0: B always).
