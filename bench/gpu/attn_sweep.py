@@ -133,10 +133,12 @@ def main():
 
     tuning, summary = [], []
     for bound, shapes in BUCKETS:
+        # a partial sweep (SWEEP_SHAPES) tunes a bucket on the shapes of it that ran
+        shapes = [s for s in shapes if any((r["N"], r["B"]) == s for r in res)]
         cands = {tuple(r.get(k) for k in keys) for r in res if r["us"] and r["stage"] != "default"}
-        scored = [(score(dict(zip(keys, c)), shapes), c) for c in cands]
+        scored = [(score(dict(zip(keys, c)), shapes), c) for c in cands] if shapes else []
         scored = [x for x in scored if x[0] is not None]
-        if not scored or not all(any((r["N"], r["B"]) == s for r in res) for s in shapes):
+        if not scored:
             continue
         _, c = min(scored)
         pick = {k: v for k, v in zip(keys, c) if v is not None}

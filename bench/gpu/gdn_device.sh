@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GDN-on-CUDA session on the H200 (issue 27), run as a user would: the stock slim
+# The device sessions (issues 27-32; first written for GDN on CUDA), run as a user would: the stock slim
 # vLLM bundle, `ddtree-patch apply --python python3`, `ddtree-patch verify`, then the
 # GPU tests and the equality / speed runs.  Repo root on the device:
 #   call 1 (carry .gpu-b1):           mkdir -p /tmp/vbparts && cp .gpu-b1/* /tmp/vbparts/
@@ -13,102 +13,29 @@
 # fp32ieee (the V2 rows with Triton's fp32 dots in IEEE),
 # bench (GDN layer: tree vs chain), step (27B-shape
 # step, STEP_CONFIGS one process each), startup (engine start-up, #29), grammar (host cost of
-# structured-output masks, #32), e2e (27B-shape step phases and end-to-end
-# tokens/s, step_bench.py; not run yet).  VERIFY=0: apply without `verify`.
+# structured-output masks, #32), e2e (step phases and end-to-end tokens/s, step_bench.py:
+# the 27B shape, or E2E_SHAPE=qwen3_8b), kprof (the decode step by kernel, kernel_prof.py).
+# VERIFY=0: apply without `verify`.
 # Everything writes under $OUT; EQ_ROWS / EQG_ROWS pick rows (IEEE_ROWS: fp32ieee's extra
 # row flags, default "--features-row --grammar-row --json-row").
 # A fresh machine compiles vLLM's Triton kernels at its first engine start (~150 s for
 # the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
 # give the first engine stage that time (run 14's eq and step calls timed out on it).
-# A session's plan (30 min): b1; install apply tests (verify on); eqg eq; step bench.
-# Run 18 (H200) ran fp32ieee, profile, e2e round 1 and 0.32.0's verify; its profile found
-# the per-layer GDN plan, fixed after it.  Next: b1; install apply (VERIFY=0) profile
-# (PROFILE_CONFIGS="ddtreechain dflash": the plan's ~2,550 small kernels a step should be
-# gone); e2e rounds 1-3 (E2E_ROUNDS, spread over calls); eqg + chisq (the GDN path after
-# the change: the commit kernel now sums the path by one dot); fp32ieee (now also the
-# grammar row: V2 structured outputs, bad words, min_p; prepared, never run).
-# Run 19 (H100) did b1; install apply profile; e2e rounds 1-3; eqg + chisq; tests.
-# Next (H200): b1; install apply (VERIFY=0); fp32ieee (the grammar row, #32) and fp32
-# (V1 rows, #28); e2e at BENCH_E2E_NEW=256 (3 rounds: does p90 at 1-2 requests hold with
-# the first step weighing half as much?), with E2E_CONFIGS adding ddtree15autoasync (a
-# tree step of 16 rows, the chain's own M: run 19's tree step of 17 rows cost 0.7 ms
-# more than its chain step at 1 request); startup (#29: STARTUP_FRESH=1
-# STARTUP_SEQS=1,8 then 64 then 256, rounds spread over calls).
-# Run 20 (H100) did b1; install apply fp32ieee (the grammar row died: the bundle lacks
-# lm-format-enforcer, which 0.33 imports to validate any structured request; .whl now
-# carries it: bench/gpu/make_whl.sh); fp32; startup x2; e2e round 1 at 256 tokens.
-# Next: b1 (after `bash bench/gpu/make_whl.sh`); install apply (VERIFY=0) fp32ieee
-# (EQ rows are quick: the grammar row is what is new); profile with PROFILE_FIRST=1
-# PROFILE_CONFIGS="dflash ddtree16" (run 20: DDTree's first step 186 vs 160 ms on average,
-# what keeps p90 at 1-2 requests under 1.00); e2e rounds 2-3 at 256 tokens
-# (BENCH_E2E_NEW=256 E2E_BATCHES=1,2,4 E2E_CONFIGS="chain15async ddtree15autoasync
-# ddtree16autoasync ddtree16async": the fixed tree too, for the choice's 2 % target);
-# grammar (the mask cost with the serving box's 16 CPUs: xgrammar's batch fill on 8 threads).
-# Run 21 (H100) did all of that (grammar row 8/8; e2e rounds 2-3; startup round 2); the
-# choice changed after it (a close call goes to the tree).  Next: b1; install apply
-# (VERIFY=0); e2e rounds 1-3 at 256 tokens with E2E_CONFIGS="chain15async
-# ddtree16autoasync ddtree16async" (does the new choice come within 2 % of the fixed tree?),
-# then the 8B shape the same way (E2E_SHAPE=qwen3_8b: #29's own shape); fp32ieee once
-# (its new JSON row, #32: JSON schemas with a byte-level BPE tokenizer, never run on a GPU).
-# Run 22 (H100; 8 minutes, no machine for an hour) did b1; install apply fp32ieee
-# (IEEE_ROWS="--json-row --grammar-row": JSON 8/8); e2e round 1 with chain15async and
-# ddtree16everyasync (the arms at every batch size: 1.18 / 1.04 / 1.03 at 4 requests).
-# Next: b1; install apply (VERIFY=0); e2e rounds 1-3, E2E_CONFIGS="chain15async
-# ddtree16autoasync ddtree16async ddtree16everyasync" (same-call: the choice vs the fixed
-# tree, and the arms everywhere); startup with a schedule of [[1, 65536, 16]] at
-# max_num_seqs 16 (the cost of both arms' graphs); #31: bench/realpair/run.sh STAGES=trainbg
-# in call 1 (it shares the GPU: only installs / equality beside it), "wait measure" later.
-# The realpair session (H100, 25 GPU minutes; bench/RESULTS.md "#31: a pair trained on the
-# H100") did b1 + trainbg x2; install apply; wait; the A2 pair + measure: chain tau 3.79 as
-# a decode, but in vLLM (V1, eager, bf16) trees of 64 / 256 lose depth (0.67 / 0.58 of
-# offline; chain 0.95).  Next (one warm machine): b1 + trainbg (one run, the A recipe:
-# TARGET_SECONDS=180 GEN_SECONDS=80 DRAFTER_SECONDS=480, TRAIN_ARGS="--set gen_batch=1536
-# --set gen_max_seqs=36864 --set d_layers=3 --set budgets=[8,16,32,64,128,256]"); install
-# apply; "wait measure" with CONFIGS=nospec,chain,ddtree16,ddtree64,ddtree256 (now with
-# no-spec's gaps: near-ties or not): does the commit fix (every tree row back on its
-# linear position; the depth loss's cause, found on the CPU after the run) bring vLLM's
-# tau at B = 64 / 256 to the offline decode's?  check_vllm.py --method ddtree --budget 256
-# (the drafter's calls vs the offline recomputation), and measure again with
-# VLLM_USE_V2_MODEL_RUNNER=1 (users' default, never affected) and without --eager.
-# #31's 8B-shape row with the measured profile: e2e with E2E_SHAPE=qwen3_8b
-# BENCH_PROFILES=p60,p80,p90,real BENCH_REAL_PROFILE=bench/gpu/profiles/realpair_h100_1.json
-# (3 rounds, chain vs the default, an H200 if one comes).
-# The realpair_h100_2 session (H100, 25 GPU minutes) did all of that but the V2 fp32 rows:
-# trainbg (300 s drafter); install apply; wait measure V1 (tau == offline now), V2 measure;
-# e2e 8B x 4 rounds with E2E_CONFIGS="chain15async ddtree64autoasync ddtree64chainasync"
-# (read with bench/gpu/e2e_logs.py); check_vllm fp32.  Changed after it, never run on a
-# GPU: the choice's paired counts in two Triton launches (core/paired_counts.py) and a
-# clear tree lead exploring the chain rarely.  Next: b1; install apply (verify --quick's
-# kernel check now runs the paired counts on CUDA) and `pytest tests/gpu/test_paired_counts.py
-# tests/gpu/test_arms.py` on CUDA; the same 8B e2e, 3-4 rounds, E2E_CONFIGS="chain15async
-# ddtree64autoasync ddtree64chainasync" (does p60 / 1 request reach 0.98 of the fixed
-# tree?); DDTree's V2 host time on a tiny target (a step 6 ms vs the chain's 2.3 ms, no
-# async; realpair's measure, V2): profile it; the V2 fp32 rows (fp32ieee).
-# The session after it got one H100 call in six tries (call 1 + `python3
-# bench/gpu/gemm_by_m.py $OUT/gemm`: 65 rows 1.026x the chain's 16, 64 rows 1.010x);
-# the machine was taken back during call 2.  Still to run: call 2: install apply
-# (VERIFY=0), `verify --quick`,
-# pytest tests/gpu/test_paired_counts.py tests/gpu/test_arms.py, then STAGES=kprof (chain15async
-# ddtree64chainasync ddtree63chainasync: the step by kernel category, kernel_prof.py);
-# then e2e rounds with E2E_CONFIGS="chain15async ddtree64autoasync ddtree64autoktasync
-# ddtree64chainasync" (kt: the choice keeps its step times across cells, as a server does)
-# and ddtree63autoasync (1 + B on 64 rows: B = 63 / 31 at 1 / 2 requests).
-# Stop 47 got no machine (10 tries; the failed starts spent 5/6 of the device time).  The
-# same plan stands; with little device time, call 2 alone (install apply, then pytest
-# tests/gpu/test_paired_counts.py tests/gpu/test_arms.py, ~4 minutes) is the first
-# thing worth having, kprof (KPROF_CONFIGS="chain15async ddtree64chainasync") the second.
-# Run 23 (H100, the machine at the first try) did b1; install apply, verify --quick, the
-# paired-count GPU tests (45 passed); kprof chain / B = 64 / B = 63; e2e 3 rounds with
-# "chain15async ddtree64autoasync ddtree64autoktasync ddtree64chainasync", then with
-# "chain15async ddtree63autoasync ddtree63chainasync"; startup 1 / 8 / 64.  B = 63 won
-# every cell at 1-2 requests: the V2 default is now 63 at 1 and 2 requests for B = 64
-# (so ddtree64auto* means 63 / 63 from here on).  Next: b1; install apply (VERIFY=0);
-# e2e 3 rounds, E2E_CONFIGS="chain15async ddtree64autoasync ddtree64autoktasync
-# ddtree63chainasync" (the new default with the choice against its fixed tree); the
-# tree attention sweep at 1-2 requests (`SWEEP_SHAPES=1x63,2x63 SWEEP_BUDGET_S=200
-# python3 bench/gpu/attn_sweep.py $OUT/sweep`: +0.54 ms a step against FA3 at 1 request
-# is the largest piece left; its TUNING table was swept on an H200 for 65 rows);
-# startup at 256; the V2 fp32 rows (fp32ieee) with the new default.
+# The next session (30 device minutes; what each earlier one did: bench/gpu/DEVICE_LOG.md):
+# call 1 (carry .gpu-b1) as above; call 2 (carry .gpu-b2 .whl, after
+# `bash bench/gpu/make_whl.sh`): STAGES="install apply" with VERIFY=0, then
+# `ddtree-patch verify --quick --python python3` from /tmp; then e2e, 3 rounds:
+#   E2E_SHAPE=qwen3_8b BENCH_E2E_NEW=256 E2E_BATCHES=1,2,4 E2E_STEP=1,2
+#   BENCH_PROFILES=p60,p80,p90,real BENCH_REAL_PROFILE=bench/gpu/profiles/realpair_h100_1.json
+#   E2E_ROUNDS="1 2 3" E2E_CONFIGS="chain15async ddtree64autoasync ddtree64autoktasync
+#   ddtree63chainasync" STAGES=e2e   (~40 s per config and round; read with
+#   bench/gpu/e2e_logs.py DIR --fixed ddtree63chainasync, and --estimates)
+# (the new default, 63 at 1-2 requests for B = 64, with the choice against its fixed tree);
+# the tree attention sweep at 1-2 requests (`SWEEP_SHAPES=1x63,2x63 SWEEP_BUDGET_S=200
+# PYTHONPATH=/tmp/vb/vllm_slim:/tmp/vb/site:/tmp/ddt python3 bench/gpu/attn_sweep.py
+# $OUT/sweep`: +0.54 ms a step against FA3 at 1 request,
+# the largest piece left of the step); startup at 256; the V2 fp32 rows (fp32ieee).
+# The device returns at most 8 files a call: tar $OUT into one.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
