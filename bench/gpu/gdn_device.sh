@@ -34,7 +34,9 @@
 # the tree attention sweep at 1-2 requests (`SWEEP_SHAPES=1x63,2x63 SWEEP_BUDGET_S=200
 # PYTHONPATH=/tmp/vb/vllm_slim:/tmp/vb/site:/tmp/ddt python3 bench/gpu/attn_sweep.py
 # $OUT/sweep`: +0.54 ms a step against FA3 at 1 request,
-# the largest piece left of the step); startup at 256; the V2 fp32 rows (fp32ieee).
+# the largest piece left of the step); kprof at 4 requests (DDTree's chain steps carry
+# ~0.1 ms a step that DFlash's do not: KPROF_BATCHES=4 KPROF_CONFIGS="chain15async
+# ddtree64autoasync"); startup at 256; the V2 fp32 rows (fp32ieee).
 # The device returns at most 8 files a call: tar $OUT into one.
 set -u
 OUT=${OUT:-/tmp/out}
