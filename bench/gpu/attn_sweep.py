@@ -29,6 +29,7 @@ STAGE2 = [dict(num_warps=w, num_stages=st) for w, st in ((4, 1), (4, 2), (4, 3),
 def main():
     global SHAPES, STAGE1, BUCKETS
     out_dir = sys.argv[1]
+    os.makedirs(out_dir, exist_ok=True)
     budget_s = float(os.environ.get("SWEEP_BUDGET_S", "200"))
     import triton.testing as tt
 
