@@ -1,0 +1,53 @@
+"""bench/gpu/attn_sweep.py end to end on the CPU (its SWEEP_SMOKE mode, the Triton
+interpreter): the payload laid out as the installed vLLM package it imports from, a
+whole sweep and a partial one (SWEEP_SHAPES), each writing its timings and a tuning
+table."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def layout(tmp: Path) -> Path:
+    """tmp/site: vllm/v1/spec_decode/ddtree -> the payload; ddtree_patcher with its
+    patches (the reference the sweep checks against)."""
+    site = tmp / "site"
+    sd = site / "vllm" / "v1" / "spec_decode"
+    sd.mkdir(parents=True)
+    for d in (site / "vllm", site / "vllm" / "v1", sd):
+        (d / "__init__.py").write_text("")
+    (sd / "ddtree").symlink_to(ROOT / "patches" / "ddtree" / "payload")
+    pkg = site / "ddtree_patcher"
+    pkg.mkdir()
+    for f in (ROOT / "ddtree_patcher").iterdir():
+        (pkg / f.name).symlink_to(f)
+    (pkg / "patches").symlink_to(ROOT / "patches")
+    return site
+
+
+@pytest.mark.parametrize("shapes", [None, "1x8"])
+def test_the_sweep_runs_and_tunes_what_it_measured(tmp_path, shapes):
+    env = {**os.environ, "PYTHONPATH": str(layout(tmp_path)), "TRITON_INTERPRET": "1",
+           "SWEEP_SMOKE": "1"}
+    env.pop("VLLM_DDTREE_ATTN_TUNING", None)
+    if shapes:
+        env["SWEEP_SHAPES"] = shapes
+    out = tmp_path / "out"  # made by the sweep
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "attn_sweep.py"),
+                        str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    runs = json.loads((out / "attn_sweep.json").read_text())
+    measured = {(r["N"], r["B"]) for r in runs["runs"]}
+    assert measured == ({(1, 8)} if shapes else {(1, 8), (2, 8)})
+    assert all(r["error"] is None and r["us"] > 0 for r in runs["runs"])
+    # the smoke bucket (16 rows) is tuned on the shapes that ran, the rest kept
+    table = json.loads((out / "attn_tuning.json").read_text())
+    assert [t["max_rows"] for t in table][0] == 16
+    assert {(s["N"], s["B"]) for s in runs["summary"]} == measured
