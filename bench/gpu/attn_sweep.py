@@ -21,9 +21,13 @@ import torch
 # (N, B); B = 63: the V2 default's tree for num_speculative_tokens = 64 (1 + B on a tile)
 SHAPES = [(1, 63), (1, 16), (2, 63), (4, 64), (1, 256), (16, 64)]
 BUCKETS = [(96, [(1, 63), (1, 16)]), (512, [(2, 63), (4, 64), (1, 256)]), (2048, [(16, 64)])]
-STAGE1 = [dict(block_q=bq, block_n=bn, splits=s)
-          for bq, bn, s in itertools.product((8, 16, 32), (32, 64), (1, 4, 8, 16))]
-STAGE2 = [dict(num_warps=w, num_stages=st) for w, st in ((4, 1), (4, 2), (4, 3), (8, 2), (8, 3))]
+# stage 1: tiles and key splits, the context in a loop of its own (two_loops); stage 2,
+# around the two best: warps / software-pipeline depth (5+: loads two tiles ahead), a
+# register cap (more programs per SM), and the one-loop kernel (what two_loops saves)
+STAGE1 = [dict(block_q=bq, block_n=bn, splits=s, two_loops=True)
+          for bq, bn, s in itertools.product((4, 8, 16), (16, 32, 64), (1, 2, 4, 8))]
+STAGE2 = [dict(num_warps=w, num_stages=st) for w, st in ((4, 2), (4, 5), (4, 6), (8, 3), (8, 5))] \
+    + [dict(maxnreg=128), dict(maxnreg=168), dict(two_loops=False)]
 
 
 def main():
@@ -112,7 +116,7 @@ def main():
                                and r["stage"] == "1"), key=lambda r: r["us"])[:2]
                 grid = []
                 for r in best:
-                    base = {k: r[k] for k in ("block_q", "block_n", "splits")}
+                    base = {k: r[k] for k in ("block_q", "block_n", "splits", "two_loops")}
                     grid += [dict(base, **x) for x in STAGE2]
                 for cfg in grid:
                     run(n, b, cfg, stage)
@@ -120,7 +124,7 @@ def main():
                 continue
             for cfg in grid:
                 run(n, b, cfg, stage)
-    keys = ("block_q", "block_n", "splits", "num_warps", "num_stages")
+    keys = ("block_q", "block_n", "splits", "two_loops", "num_warps", "num_stages", "maxnreg")
 
     def score(cfg, shapes):  # sum of time / best time per shape (None: unusable)
         tot = 0.0

@@ -64,15 +64,19 @@ def make_case(dev, dtype, q_lens, ctx_lens, trees, hq=8, hkv=2, d=64, bs=16, bud
 def check(case, max_q, dtype, splits=(None, 1, 3), window=None):
     ca = payload_module("attention.triton_tree")
     ref = reference_tree_attention(**case, window=window)
-    for sp in splits:  # auto, one program per query block, keys split over 3
+    # auto, one program per query block, keys split over 3; one key loop or two (the
+    # context's own; 4-key tiles put the context / tree boundary inside tiles and splits)
+    runs = [(sp, two, None) for sp in splits for two in (False, True)] + \
+        [(1, True, 8), (3, True, 4)]
+    for sp, two, bn in runs:
         out = torch.full_like(case["query"], float("nan"))
         ca.launch(case["query"], case["key_cache"], case["value_cache"], out,
                   case["block_table"], case["seq_lens"], case["query_start_loc"],
                   case["has_tree"], case["mask"], case["scale"], max_q,
-                  case["num_kv_heads"], splits=sp, window=window)
+                  case["num_kv_heads"], splits=sp, window=window, two_loops=two, block_n=bn)
         assert not torch.isnan(out).any()
         err = (out.float() - ref).abs().max().item()
-        assert err <= TOL[dtype], (sp, err)
+        assert err <= TOL[dtype], (sp, two, bn, err)
     return out, ref
 
 

@@ -43,7 +43,8 @@ MAX_SPLITS = 8
 
 # Launch configs by the step's query rows (num_reqs * max_query_len): the first entry
 # whose bound is >= rows wins; missing fields keep the defaults (block_q = 64 // G query
-# tokens per program, 64-key tiles, automatic key splits, 4 warps, Triton's stages).
+# tokens per program, 64-key tiles, automatic key splits, 4 warps, Triton's stages, one
+# key loop; two_loops: the context tiles in a loop of their own, without the tree mask).
 # VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table, read at the first launch
 # (bench/gpu/attn_sweep.py writes one from measurements).
 TUNING: list[dict] = [  # H200, bench/gpu/attn_sweep.py (bench/RESULTS.md)
@@ -121,13 +122,35 @@ if HAS_TRITON:
         return online_update(s, m_i, l_i, acc, v, IEEE)
 
     @triton.jit
+    def _ctx_tile(start, m_i, l_i, acc, q, K, V, bt_row, row_ok, d, dm, cend, ctx, s_kb, s_kt,
+                  s_kh, s_vb, s_vt, s_vh, scale, kvh, block_size, qrel, window,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr):
+        """A key tile of committed context only (keys < cend <= ctx): every row sees it
+        (but for the sliding window), so no tree mask is loaded."""
+        kk = start + tl.arange(0, BLOCK_N)
+        km = kk < cend
+        blk = tl.load(bt_row + kk // block_size, mask=km, other=0).to(tl.int64)
+        off = (kk % block_size).to(tl.int64)
+        kv_m = km[:, None] & dm[None, :]
+        k = tl.load(K + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + d[None, :],
+                    mask=kv_m, other=0.0)
+        s = tile_scores(q, k, scale, IEEE)
+        vis = km[None, :] & row_ok[:, None]
+        if WINDOW:
+            vis = vis & ((kk - ctx)[None, :] > qrel[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+        v = tl.load(V + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + d[None, :],
+                    mask=kv_m, other=0.0)
+        return online_update(s, m_i, l_i, acc, v, IEEE)
+
+    @triton.jit
     def _tree_attn_kernel(Q, K, V, O, BT, SEQ, QSL, HAS, MASK, PM, PL, PACC,
                           s_qt, s_qh, s_ot, s_oh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                           s_bt, s_mr, s_mi, scale, block_size, NQB, NKV, window,
                           G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
                           BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                           IEEE: tl.constexpr, USE_FOR: tl.constexpr, S: tl.constexpr,
-                          RP: tl.constexpr, WINDOW: tl.constexpr):
+                          RP: tl.constexpr, WINDOW: tl.constexpr, TWO_LOOPS: tl.constexpr):
         # one program = one request x BLOCK_Q query tokens x one KV head (all G query
         # heads of it: M >= BLOCK_Q * G rows, GQA packed like unified_attention) x one
         # of S key splits (S > 1: partial softmax state to PM/PL/PACC, then _combine)
@@ -169,7 +192,40 @@ if HAS_TRITON:
         k_hi = k_lo + per
         if kend < k_hi:
             k_hi = kend
-        if USE_FOR:  # compiled: a for loop (software-pipelined)
+        if TWO_LOOPS:  # context tiles without the tree mask, then this step's rows
+            c_hi = k_hi
+            if ctx < c_hi:
+                c_hi = ctx
+            t_lo = k_lo
+            if t_lo < ctx:
+                t_lo = ctx
+            if USE_FOR:
+                for start in range(k_lo, c_hi, BLOCK_N):
+                    m_i, l_i, acc = _ctx_tile(start, m_i, l_i, acc, q, K, V, bt_row, row_ok,
+                                              d, dm, c_hi, ctx, s_kb, s_kt, s_kh, s_vb, s_vt,
+                                              s_vh, scale, kvh, block_size, qrel, window,
+                                              BLOCK_N, IEEE, WINDOW)
+                for start in range(t_lo, k_hi, BLOCK_N):
+                    m_i, l_i, acc = _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row,
+                                          qi, row_ok, d, dm, ctx, k_hi, has, s_kb, s_kt, s_kh,
+                                          s_vb, s_vt, s_vh, s_mi, scale, kvh, block_size,
+                                          qrel, window, BLOCK_N, IEEE, RP, WINDOW)
+            else:
+                start = k_lo
+                while start < c_hi:
+                    m_i, l_i, acc = _ctx_tile(start, m_i, l_i, acc, q, K, V, bt_row, row_ok,
+                                              d, dm, c_hi, ctx, s_kb, s_kt, s_kh, s_vb, s_vt,
+                                              s_vh, scale, kvh, block_size, qrel, window,
+                                              BLOCK_N, IEEE, WINDOW)
+                    start += BLOCK_N
+                start = t_lo
+                while start < k_hi:
+                    m_i, l_i, acc = _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row,
+                                          qi, row_ok, d, dm, ctx, k_hi, has, s_kb, s_kt, s_kh,
+                                          s_vb, s_vt, s_vh, s_mi, scale, kvh, block_size,
+                                          qrel, window, BLOCK_N, IEEE, RP, WINDOW)
+                    start += BLOCK_N
+        elif USE_FOR:  # compiled: a for loop (software-pipelined)
             for start in range(k_lo, k_hi, BLOCK_N):
                 m_i, l_i, acc = _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi,
                                       row_ok, d, dm, ctx, k_hi, has, s_kb, s_kt, s_kh, s_vb,
@@ -226,7 +282,8 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
            has_tree, mask, scale: float, max_query_len: int, num_kv_heads: int,
            block_n: int | None = None, splits: int | None = None, block_q: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None,
-           window: int | None = None) -> torch.Tensor:
+           window: int | None = None, two_loops: bool | None = None,
+           maxnreg: int | None = None) -> torch.Tensor:
     """query/output [T, Hq, D] (or [T, Hq*D]); key/value_cache [blocks, block_size,
     Hkv, D]; block_table [R, max_blocks]; seq_lens [R]; query_start_loc [R + 1];
     has_tree [>= R] int32; mask [>= R, rows, rows] int8 (last dim contiguous);
@@ -247,7 +304,11 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
     splits = splits or cfg.get("splits") or None
     num_warps = num_warps or cfg.get("num_warps") or 4
     num_stages = num_stages or cfg.get("num_stages")
+    two_loops = cfg.get("two_loops", False) if two_loops is None else two_loops
     extra = {} if num_stages is None else {"num_stages": num_stages}
+    maxnreg = maxnreg or cfg.get("maxnreg")
+    if maxnreg and not interpreting():  # a register cap: more programs per SM
+        extra["maxnreg"] = maxnreg
     m = max(16, next_pow2(block_q * g))
     dp = max(16, next_pow2(d))
     nqb = triton.cdiv(max(int(max_query_len), 1), block_q)
@@ -274,7 +335,7 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
         G=g, BLOCK_Q=block_q, M=m, BLOCK_N=block_n, D=d, DP=dp,
         IEEE=query.dtype == torch.float32, USE_FOR=not interpreting(), S=splits,
         RP=max(2, next_pow2(mask.shape[2])), WINDOW=window is not None,
-        num_warps=num_warps, **extra)
+        TWO_LOOPS=bool(two_loops), num_warps=num_warps, **extra)
     if splits > 1:
         _combine[(num_reqs, nqb, num_kv_heads)](
             o, query_start_loc, pm, pl, pacc, o.stride(0), o.stride(1), nqb, num_kv_heads,
