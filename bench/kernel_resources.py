@@ -6,7 +6,8 @@ spills: a compile error or a spill regression shows here before a device session
     python bench/kernel_resources.py [--arch 90] [--json]
 
 Rows: the verify at its default launch (bf16 inputs: 16-bit dots; fp32: tf32x3) for
-17 / 65 / 257 rows, with a float32 state, with float32 inputs, and the conv, commit and conv-commit kernels.  Exit 0 when every
+17 / 65 / 257 rows, with a float32 state, with float32 inputs, and the conv, commit and conv-commit kernels;
+the tree attention kernel at each bucket of its launch table, one key loop and two.  Exit 0 when every
 kernel compiled.  tests/core/test_gdn_kernels_compile.py runs it for sm_80 and sm_90.
 """
 
@@ -29,6 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from ddtree_patcher.patches.ddtree.payload.core import gdn_triton as gk  # noqa: E402
+from ddtree_patcher.patches.ddtree.payload.attention import triton_tree as ta  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 BF16 = ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "h_ptr", "o_ptr", "x_ptr", "y_ptr",
@@ -61,10 +63,13 @@ def signature(fn, consts: dict, fp32_inputs: bool = False, fp32_state: bool = Fa
 
 
 def resources(fn, consts: dict, arch: int, warps: int = 4, fp32_inputs: bool = False,
-              fp32_state: bool = False):
-    src = ASTSource(fn=fn, signature=signature(fn, consts, fp32_inputs, fp32_state),
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+              fp32_state: bool = False, sig: dict | None = None, attrs: dict | None = None,
+              options: dict | None = None):
+    src = ASTSource(fn=fn, signature=sig or signature(fn, consts, fp32_inputs, fp32_state),
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": warps, **(options or {})})
     with tempfile.TemporaryDirectory() as d:
         ptx = Path(d, "k.ptx")
         ptx.write_text(k.asm["ptx"])
@@ -76,6 +81,40 @@ def resources(fn, consts: dict, arch: int, warps: int = 4, fp32_inputs: bool = F
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_stores": int(spill.group(1)) if spill else None,
             "shared": k.metadata.shared}
+
+
+# tree attention (attention/triton_tree.py) at Qwen3-8B's heads (G = 4, d = 128, bf16);
+# the JIT marks 16-divisible pointers and strides, so these compile with those marks
+ATTN_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "BT": "*i32",
+             "SEQ": "*i32", "QSL": "*i32", "HAS": "*i32", "MASK": "*i8", "PM": "*fp32",
+             "PL": "*fp32", "PACC": "*fp32"}
+ATTN_DIV16 = ("s_qt", "s_qh", "s_ot", "s_oh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh")
+
+
+def attention_rows(arch: int) -> list[dict]:
+    """Each bucket of the built-in launch table, with one key loop and with two."""
+    fn = ta._tree_attn_kernel
+    sig = {n: ATTN_PTRS.get(n, "fp32" if n == "scale" else "i32" if n in
+                            ("block_size", "NQB", "NKV", "window") else "i64")
+           for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n in fn.arg_names if n in ATTN_PTRS or n in ATTN_DIV16}
+    out = []
+    for t in ta.TUNING:
+        bq, bn, sp = t.get("block_q", 16), t.get("block_n", 64), t.get("splits", 1)
+        for two in (False, True):
+            consts = dict(G=4, BLOCK_Q=bq, M=max(16, triton.next_power_of_2(bq * 4)),
+                          BLOCK_N=bn, D=128, DP=128, IEEE=False, USE_FOR=True, S=sp, RP=256,
+                          WINDOW=False, TWO_LOOPS=two)
+            for c in consts:
+                sig[c] = "constexpr"
+            opts = {k: t[k] for k in ("num_stages", "maxnreg") if t.get(k)}
+            r = resources(fn, consts, arch, t.get("num_warps", 4), sig=dict(sig),
+                          attrs=attrs, options=opts)
+            out.append({"kernel": "tree_attn", "rows": t["max_rows"],
+                        "inputs": f"bq{bq} bn{bn} s{sp}{' 2loop' if two else ''}",
+                        "chunk": bn, "warps": t.get("num_warps", 4), **r})
+    return out
 
 
 def rows(arch: int) -> list[dict]:
@@ -101,7 +140,7 @@ def rows(arch: int) -> list[dict]:
                                                  PREC="tf32x3")),
             ("conv_commit", gk._conv_commit_kernel, dict(L1=16, W=4, WP=4, BC=128))):
         out.append({"kernel": name, **resources(fn, consts, arch)})
-    return out
+    return out + attention_rows(arch)
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,7 @@ def test_gdn_kernels_compile(arch):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"verify", "conv", "commit", "conv_commit"}
+    assert kernels == {"verify", "conv", "commit", "conv_commit", "tree_attn"}
     assert {r["rows"] for r in rows if r["kernel"] == "verify"} == {17, 65, 257}
     for r in rows:  # ptxas ran on every kernel and said what it used
         assert isinstance(r["registers"], int) and r["registers"] > 0, r
