@@ -31,7 +31,12 @@ def point(label: str) -> None:
     if fault == f"kill-at:{n}":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.startswith(f"signal-at:{n}:"):  # e.g. signal-at:12:INT (Ctrl-C), :TERM
-        os.kill(os.getpid(), getattr(signal, "SIG" + fault.rsplit(":", 1)[1]))
+        sig = getattr(signal, "SIG" + fault.rsplit(":", 1)[1])
+        if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+            # started in the background of a non-interactive shell (SIGINT ignored):
+            # a Ctrl-C reaches a foreground run, whose Python turns it into an exception
+            signal.signal(sig, signal.default_int_handler)
+        os.kill(os.getpid(), sig)
 
 
 def sha256_bytes(data: bytes) -> str:
