@@ -6,6 +6,7 @@ and OUT/attn_tuning.json (the table cuda_attention.TUNING reads through
 VLLM_DDTREE_ATTN_TUNING), and prints the picks next to the default config.
 
     python bench/gpu/attn_sweep.py OUT_DIR
+    SWEEP_FROM_CHECKOUT=1 python bench/gpu/attn_sweep.py OUT_DIR   (no vLLM: this checkout's payload)
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ def main():
     budget_s = float(os.environ.get("SWEEP_BUDGET_S", "200"))
     import triton.testing as tt
 
-    import vllm.v1.spec_decode.ddtree.attention.triton_tree as ca
-    from vllm.v1.spec_decode.ddtree.core import build_tree
+    if os.environ.get("SWEEP_FROM_CHECKOUT"):  # this checkout's payload: torch + Triton only
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+        import ddtree_patcher.patches.ddtree.payload.attention.triton_tree as ca
+        from ddtree_patcher.patches.ddtree.payload.core import build_tree
+    else:  # the payload as `ddtree-patch apply` put it into vLLM
+        import vllm.v1.spec_decode.ddtree.attention.triton_tree as ca
+        from vllm.v1.spec_decode.ddtree.core import build_tree
 
     from ddtree_patcher.patches.ddtree.reference.tree_attention import reference_tree_attention
 

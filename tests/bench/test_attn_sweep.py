@@ -36,10 +36,15 @@ def layout(tmp: Path) -> Path:
     return site
 
 
-@pytest.mark.parametrize("shapes", [None, "1x8"])
-def test_the_sweep_runs_and_tunes_what_it_measured(tmp_path, shapes):
-    env = {**os.environ, "PYTHONPATH": str(layout(tmp_path)), "TRITON_INTERPRET": "1",
-           "SWEEP_SMOKE": "1"}
+@pytest.mark.parametrize("shapes,checkout", [(None, False), ("1x8", False), ("1x8", True)])
+def test_the_sweep_runs_and_tunes_what_it_measured(tmp_path, shapes, checkout):
+    """checkout: SWEEP_FROM_CHECKOUT (no vLLM layout on the path: this checkout's payload)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SWEEP_SMOKE": "1"}
+    if checkout:
+        env["SWEEP_FROM_CHECKOUT"] = "1"
+        env.pop("PYTHONPATH", None)
+    else:
+        env["PYTHONPATH"] = str(layout(tmp_path))
     env.pop("VLLM_DDTREE_ATTN_TUNING", None)
     if shapes:
         env["SWEEP_SHAPES"] = shapes
