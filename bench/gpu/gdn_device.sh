@@ -22,7 +22,12 @@
 # the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
 # give the first engine stage that time (run 14's eq and step calls timed out on it).
 # The next session (30 device minutes; what each earlier one did: bench/gpu/DEVICE_LOG.md):
-# call 1 (carry .gpu-b1) as above; call 2 (carry .gpu-b2 .whl, after
+# call 0 (no carry, no bundle: torch + Triton of the device): the tree attention sweep of
+# this checkout, `SWEEP_FROM_CHECKOUT=1 SWEEP_SHAPES=1x63,1x16,2x63 SWEEP_BUDGET_S=150
+# python3 bench/gpu/attn_sweep.py $OUT/sweep` (two_loops, pipeline depth 5-6, maxnreg,
+# 16-key tiles: RESULTS "why the tree attention kernel costs 2x FA3"); keep its
+# attn_tuning.json under /tmp and export VLLM_DDTREE_ATTN_TUNING to it in the engine
+# calls below when it beats the built-in table; call 1 (carry .gpu-b1) as above; call 2 (carry .gpu-b2 .whl, after
 # `bash bench/gpu/make_whl.sh`): STAGES="install apply" with VERIFY=0, then
 # `ddtree-patch verify --quick --python python3` from /tmp; then e2e, 3 rounds:
 #   E2E_SHAPE=qwen3_8b BENCH_E2E_NEW=256 E2E_BATCHES=1,2,4 E2E_STEP=1,2
