@@ -91,19 +91,28 @@ if HAS_TRITON:
                         tree_depth)
 
     @triton.jit
+    def _paged_keys(start, kend, bt_row, block_size, BLOCK_N: tl.constexpr):
+        """A tile's key positions, which are < kend, and their cache block and offset."""
+        kk = start + tl.arange(0, BLOCK_N)
+        km = kk < kend
+        blk = tl.load(bt_row + kk // block_size, mask=km, other=0).to(tl.int64)
+        return kk, km, blk, (kk % block_size).to(tl.int64)
+
+    @triton.jit
+    def _paged_load(X, blk, off, km, d, dm, s_b, s_t, s_h, kvh):
+        """K or V rows of a tile from the paged cache (0 where masked)."""
+        return tl.load(X + blk[:, None] * s_b + off[:, None] * s_t + kvh * s_h + d[None, :],
+                       mask=km[:, None] & dm[None, :], other=0.0)
+
+    @triton.jit
     def _tile(start, m_i, l_i, acc, q, K, V, bt_row, mask_row, qi, row_ok, d, dm, ctx, kend,
               has, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_mi, scale, kvh, block_size, qrel,
               window, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, RP: tl.constexpr,
               WINDOW: tl.constexpr):
         """One key tile: scores, tree/causal visibility (and the sliding window: keys at
         relative positions > qrel - window), online-softmax update."""
-        kk = start + tl.arange(0, BLOCK_N)
-        km = kk < kend
-        blk = tl.load(bt_row + kk // block_size, mask=km, other=0).to(tl.int64)
-        off = (kk % block_size).to(tl.int64)
-        kv_m = km[:, None] & dm[None, :]
-        k = tl.load(K + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + d[None, :],
-                    mask=kv_m, other=0.0)
+        kk, km, blk, off = _paged_keys(start, kend, bt_row, block_size, BLOCK_N)
+        k = _paged_load(K, blk, off, km, d, dm, s_kb, s_kt, s_kh, kvh)
         s = tile_scores(q, k, scale, IEEE)
         j = kk - ctx
         new = (j >= 0) & km
@@ -117,8 +126,7 @@ if HAS_TRITON:
                             j)
             vis = vis & (krel[None, :] > qrel[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
-        v = tl.load(V + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + d[None, :],
-                    mask=kv_m, other=0.0)
+        v = _paged_load(V, blk, off, km, d, dm, s_vb, s_vt, s_vh, kvh)
         return online_update(s, m_i, l_i, acc, v, IEEE)
 
     @triton.jit
@@ -127,20 +135,14 @@ if HAS_TRITON:
                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr):
         """A key tile of committed context only (keys < cend <= ctx): every row sees it
         (but for the sliding window), so no tree mask is loaded."""
-        kk = start + tl.arange(0, BLOCK_N)
-        km = kk < cend
-        blk = tl.load(bt_row + kk // block_size, mask=km, other=0).to(tl.int64)
-        off = (kk % block_size).to(tl.int64)
-        kv_m = km[:, None] & dm[None, :]
-        k = tl.load(K + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + d[None, :],
-                    mask=kv_m, other=0.0)
+        kk, km, blk, off = _paged_keys(start, cend, bt_row, block_size, BLOCK_N)
+        k = _paged_load(K, blk, off, km, d, dm, s_kb, s_kt, s_kh, kvh)
         s = tile_scores(q, k, scale, IEEE)
         vis = km[None, :] & row_ok[:, None]
         if WINDOW:
             vis = vis & ((kk - ctx)[None, :] > qrel[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
-        v = tl.load(V + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + d[None, :],
-                    mask=kv_m, other=0.0)
+        v = _paged_load(V, blk, off, km, d, dm, s_vb, s_vt, s_vh, kvh)
         return online_update(s, m_i, l_i, acc, v, IEEE)
 
     @triton.jit
