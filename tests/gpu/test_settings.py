@@ -5,6 +5,7 @@ for every yes/no value.  No vLLM needed."""
 
 import copy
 import pickle
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -209,3 +210,46 @@ def test_structured_outputs_refused_on_0_20(monkeypatch):
     with pytest.raises(ValueError, match="structured outputs on the V1 runner"):
         config.validate_request(_params(structured_outputs=object()), v1)
     config.validate_request(_params(min_p=0.1), v1)  # the rest is served there too
+
+
+# ---- VLLM_DDTREE_ATTN_TUNING: the tree kernel's launch table, checked at configuration
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json", "cannot read a JSON launch table"),
+    ("[]", "non-empty JSON list"),
+    ('{"max_rows": 96}', "non-empty JSON list"),
+    ('[{"block_q": 8}]', "entry 0 must be an object with max_rows"),
+    ('[{"max_rows": 96, "blockq": 8}]', "unknown keys \\['blockq'\\]"),
+    ('[{"max_rows": 96}, {"max_rows": 512, "splits": 0}]', "entry 1 splits must be an integer"),
+    ('[{"max_rows": 96, "block_n": 48}]', "block_n must be a power of two"),
+    ('[{"max_rows": 96, "block_n": 8}]', "block_n must be >= 16"),
+    ('[{"max_rows": 96, "num_warps": true}]', "num_warps must be an integer"),
+    ('[{"max_rows": 96, "two_loops": 1}]', "two_loops must be true or false"),
+])
+def test_a_bad_launch_table_is_a_configuration_error(monkeypatch, tmp_path, text, match):
+    f = tmp_path / "t.json"
+    f.write_text(text)
+    monkeypatch.setenv(envs.ATTN_TUNING, str(f))
+    with pytest.raises(ValueError, match=re.escape(f"VLLM_DDTREE_ATTN_TUNING={f}: ") + ".*"
+                       + match):
+        build()
+
+
+def test_a_missing_launch_table_is_a_configuration_error(monkeypatch, tmp_path):
+    monkeypatch.setenv(envs.ATTN_TUNING, str(tmp_path / "nothing.json"))
+    with pytest.raises(ValueError, match="cannot read a JSON launch table"):
+        build()
+
+
+def test_a_good_launch_table_is_what_the_kernel_reads(monkeypatch, tmp_path):
+    table = [{"max_rows": 96, "block_q": 8, "block_n": 16, "splits": 4, "two_loops": True,
+              "num_stages": 5, "maxnreg": 168}, {"max_rows": 4096}]
+    f = tmp_path / "t.json"
+    f.write_text(__import__("json").dumps(table))
+    monkeypatch.setenv(envs.ATTN_TUNING, str(f))
+    build()  # accepted
+    tt = payload_module("attention.triton_tree")
+    monkeypatch.setattr(tt, "_loaded", {})
+    assert tt.tuning() == table
+    assert tt.pick_config(65) == table[0] and tt.pick_config(97) == table[1]
+    assert tt.pick_config(5000) == {}

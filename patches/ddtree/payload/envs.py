@@ -69,3 +69,49 @@ def stats_file() -> str | None:
 
 def attn_tuning() -> str | None:
     return read(ATTN_TUNING)
+
+
+# the tree-attention launch table's keys (attention/triton_tree.py): ints >= 1, or yes/no
+TUNING_INTS = ("max_rows", "block_q", "block_n", "splits", "num_warps", "num_stages",
+               "maxnreg")
+TUNING_POW2 = ("block_n", "num_warps")  # Triton tile / warp counts
+TUNING_FLAGS = ("two_loops",)
+
+
+def attn_tuning_table(path: str) -> list[dict]:
+    """The launch table in ``path`` (VLLM_DDTREE_ATTN_TUNING), checked: a JSON list of
+    objects, each with max_rows and only the known keys, block_n a power of two >= 16;
+    else ValueError naming the variable, the file and the entry."""
+    import json
+
+    where = f"{ATTN_TUNING}={path}"
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: cannot read a JSON launch table ({e})") from e
+    if not isinstance(table, list) or not table:
+        raise ValueError(f"{where}: the launch table must be a non-empty JSON list")
+    for i, t in enumerate(table):
+        bad = None
+        if not isinstance(t, dict) or "max_rows" not in t:
+            bad = "must be an object with max_rows"
+        else:
+            extra = set(t) - set(TUNING_INTS) - set(TUNING_FLAGS)
+            if extra:
+                bad = f"has unknown keys {sorted(extra)} (known: " \
+                      f"{', '.join(TUNING_INTS + TUNING_FLAGS)})"
+            for k in TUNING_INTS:
+                v = t.get(k)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                    bad = f"{k} must be an integer >= 1, got {v!r}"
+                elif k in TUNING_POW2 and v is not None and v & (v - 1):
+                    bad = f"{k} must be a power of two, got {v}"
+            if isinstance(t.get("block_n"), int) and t["block_n"] < 16:
+                bad = f"block_n must be >= 16 (a Triton dot), got {t['block_n']}"
+            for k in TUNING_FLAGS:
+                if k in t and not isinstance(t[k], bool):
+                    bad = f"{k} must be true or false, got {t[k]!r}"
+        if bad:
+            raise ValueError(f"{where}: entry {i} {bad}")
+    return table

@@ -63,6 +63,8 @@ def build(spec, v2: bool, tensor_parallel: int = 1) -> DDTreeConfig:
                          "and the chain per batch size: drop ddtree_budgets")
     if not v2 and chain:
         raise ValueError(f"ddtree_chain_budget runs on {V2_ONLY}: drop the knob")
+    if envs.attn_tuning() is not None:  # a bad launch table fails here, not mid-forward
+        envs.attn_tuning_table(envs.attn_tuning())
     if not v2 and control == "auto" and \
             getattr(spec, "num_speculative_tokens_per_batch_size", None):
         raise ValueError("ddtree_budget_control='auto' and num_speculative_tokens_per_"

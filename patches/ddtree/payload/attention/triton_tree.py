@@ -28,8 +28,6 @@ cache layout.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from .. import envs
@@ -62,8 +60,7 @@ def tuning() -> list[dict]:
     if path is None:
         return TUNING
     if path not in _loaded:
-        with open(path) as f:
-            _loaded[path] = json.load(f)
+        _loaded[path] = envs.attn_tuning_table(path)
     return _loaded[path]
 
 
