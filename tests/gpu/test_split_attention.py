@@ -347,7 +347,7 @@ def test_the_tuning_file_is_read_at_the_first_launch_not_at_import(monkeypatch, 
                    env=env, check=True, timeout=300)
     ca = payload_module("attention.triton_tree")
     monkeypatch.setenv("VLLM_DDTREE_ATTN_TUNING", missing)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="VLLM_DDTREE_ATTN_TUNING=.*cannot read a JSON"):
         ca.pick_config(8)
     table = [{"max_rows": 10, "block_q": 4}]
     (tmp_path / "t.json").write_text(json.dumps(table))
