@@ -117,6 +117,40 @@ def attention_rows(arch: int) -> list[dict]:
     return out
 
 
+def attention_grid(arch: int, n: int = 1, b: int = 64, ctx: int = 512, sms: int = 132,
+                   configs=None) -> list[dict]:
+    """Tree attention launches at one verify shape (n requests of 1 + b rows, context
+    ctx, 8 KV heads x G = 4, d = 128): per config its registers, spills, shared memory,
+    programs per SM (registers, shared memory and 64 warps an SM), programs, waves on
+    ``sms`` SMs and key tiles per program.  A model of the launch, not a timing."""
+    import math
+
+    fn = ta._tree_attn_kernel
+    base = {n_: ATTN_PTRS.get(n_, "fp32" if n_ == "scale" else "i32" if n_ in
+                              ("block_size", "NQB", "NKV", "window") else "i64")
+            for n_ in fn.arg_names}
+    attrs = {(fn.arg_names.index(n_),): [["tt.divisibility", 16]]
+             for n_ in fn.arg_names if n_ in ATTN_PTRS or n_ in ATTN_DIV16}
+    out = []
+    for c in configs or [dict(block_q=bq, block_n=bn, splits=sp, two_loops=two)
+                         for bq in (4, 8, 16) for bn in (16, 32, 64) for sp in (1, 4, 8)
+                         for two in (False, True)]:
+        bq, bn, sp, warps = c["block_q"], c["block_n"], c["splits"], c.get("num_warps", 4)
+        consts = dict(G=4, BLOCK_Q=bq, M=max(16, triton.next_power_of_2(bq * 4)), BLOCK_N=bn,
+                      D=128, DP=128, IEEE=False, USE_FOR=True, S=sp, RP=256, WINDOW=False,
+                      TWO_LOOPS=c.get("two_loops", False))
+        sig = dict(base, **{k: "constexpr" for k in consts})
+        opts = {k: c[k] for k in ("num_stages", "maxnreg") if c.get(k)}
+        r = resources(fn, consts, arch, warps, sig=sig, attrs=attrs, options=opts)
+        per_sm = min(65536 // max(1, r["registers"] * 32 * warps),
+                     (228 * 1024) // max(1, r["shared"]), 64 // warps)
+        progs = n * math.ceil((b + 1) / bq) * 8 * sp
+        tiles = math.ceil((ctx + b + 1) / (bn * sp))  # the last query block's keys
+        out.append({**c, **r, "per_sm": per_sm, "programs": progs,
+                    "waves": math.ceil(progs / max(1, per_sm * sms)), "tiles": tiles})
+    return out
+
+
 def rows(arch: int) -> list[dict]:
     out = []
     blocks = gk.VERIFY_BLOCKS
@@ -147,7 +181,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--attn-grid", metavar="NxB", help="instead: the tree attention launch "
+                    "model over a grid of configs at N requests of 1 + B rows (e.g. 1x64)")
     a = ap.parse_args(argv)
+    if a.attn_grid:
+        n, b = (int(v) for v in a.attn_grid.split("x"))
+        grid = attention_grid(a.arch, n, b)
+        if a.json:
+            print(json.dumps(grid))
+            return 0
+        print(f"sm_{a.arch}, {n} x (1 + {b}) rows, context 512: block_q block_n splits "
+              "two_loops | registers spill shared | per SM, programs, waves, tiles a program")
+        for r in grid:
+            print(f"  {r['block_q']:>3} {r['block_n']:>3} {r['splits']:>2} "
+                  f"{'2' if r['two_loops'] else '1':>2} | {r['registers']:>4} "
+                  f"{r['spill_stores']:>5} {r['shared']:>6} | {r['per_sm']:>2} "
+                  f"{r['programs']:>5} {r['waves']:>2} {r['tiles']:>3}")
+        return 0
     table = rows(a.arch)
     if a.json:
         print(json.dumps(table))

@@ -38,3 +38,21 @@ def test_gdn_kernels_compile(arch):
     assert {r["rows"] for r in rows if r["kernel"] == "verify"} == {17, 65, 257}
     for r in rows:  # ptxas ran on every kernel and said what it used
         assert isinstance(r["registers"], int) and r["registers"] > 0, r
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="needs Triton with its bundled ptxas")
+def test_the_attention_launch_model():
+    """--attn-grid: every config of the grid compiled for sm_90, with its programs and
+    waves as the launch makes them (1 request of 65 rows: 9 query blocks of 8 tokens)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_resources.py"),
+                          "--arch", "90", "--attn-grid", "1x64", "--json"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    grid = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(grid) == 54
+    for r in grid:
+        assert r["registers"] > 0 and r["per_sm"] >= 1
+    one = next(r for r in grid if (r["block_q"], r["block_n"], r["splits"]) == (8, 32, 8))
+    assert one["programs"] == 9 * 8 * 8 and one["tiles"] == 3  # ceil(577 / 256)
+    assert one["waves"] == -(-one["programs"] // (one["per_sm"] * 132))
