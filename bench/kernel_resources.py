@@ -6,9 +6,10 @@ spills: a compile error or a spill regression shows here before a device session
     python bench/kernel_resources.py [--arch 90] [--json]
 
 Rows: the verify at its default launch (bf16 inputs: 16-bit dots; fp32: tf32x3) for
-17 / 65 / 257 rows, with a float32 state, with float32 inputs, and the conv, commit and conv-commit kernels;
-the tree attention kernel at each bucket of its launch table, one key loop and two.  Exit 0 when every
-kernel compiled.  tests/core/test_gdn_kernels_compile.py runs it for sm_80 and sm_90.
+17 / 65 / 257 rows, with a float32 state, with float32 inputs, and the conv, commit and
+conv-commit kernels; the tree attention kernel at each bucket of its launch table, one
+key loop and two.  Exit 0 when every kernel compiled.  tests/core/test_gdn_kernels_compile.py
+runs it for sm_80 and sm_90.  ``--attn-grid NxB``: the tree attention launch model instead.
 """
 
 from __future__ import annotations
@@ -91,29 +92,38 @@ ATTN_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "BT": "*i32
 ATTN_DIV16 = ("s_qt", "s_qh", "s_ot", "s_oh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh")
 
 
-def attention_rows(arch: int) -> list[dict]:
-    """Each bucket of the built-in launch table, with one key loop and with two."""
+def attention_resources(arch: int, c: dict) -> dict:
+    """Compile the tree attention kernel with launch config ``c`` (block_q, block_n,
+    splits, two_loops, num_warps, num_stages, maxnreg) for Qwen3-8B's heads (G = 4,
+    d = 128, bf16), with the JIT's 16-divisibility marks."""
     fn = ta._tree_attn_kernel
-    sig = {n: ATTN_PTRS.get(n, "fp32" if n == "scale" else "i32" if n in
-                            ("block_size", "NQB", "NKV", "window") else "i64")
-           for n in fn.arg_names}
+    bq, bn = c["block_q"], c["block_n"]
+    consts = dict(G=4, BLOCK_Q=bq, M=max(16, triton.next_power_of_2(bq * 4)), BLOCK_N=bn,
+                  D=128, DP=128, IEEE=False, USE_FOR=True, S=c["splits"], RP=256,
+                  WINDOW=False, TWO_LOOPS=bool(c.get("two_loops")))
+    sig = {n: "constexpr" if n in consts else ATTN_PTRS.get(
+        n, "fp32" if n == "scale" else "i32" if n in ("block_size", "NQB", "NKV", "window")
+        else "i64") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
              for n in fn.arg_names if n in ATTN_PTRS or n in ATTN_DIV16}
+    opts = {k: c[k] for k in ("num_stages", "maxnreg") if c.get(k)}
+    return resources(fn, consts, arch, c.get("num_warps", 4), sig=sig, attrs=attrs,
+                     options=opts)
+
+
+def attention_rows(arch: int) -> list[dict]:
+    """Each bucket of the built-in launch table, with one key loop and with two."""
     out = []
     for t in ta.TUNING:
-        bq, bn, sp = t.get("block_q", 16), t.get("block_n", 64), t.get("splits", 1)
+        c = dict(block_q=t.get("block_q", 16), block_n=t.get("block_n", 64),
+                 splits=t.get("splits", 1), **{k: t[k] for k in
+                                               ("num_warps", "num_stages", "maxnreg") if k in t})
         for two in (False, True):
-            consts = dict(G=4, BLOCK_Q=bq, M=max(16, triton.next_power_of_2(bq * 4)),
-                          BLOCK_N=bn, D=128, DP=128, IEEE=False, USE_FOR=True, S=sp, RP=256,
-                          WINDOW=False, TWO_LOOPS=two)
-            for c in consts:
-                sig[c] = "constexpr"
-            opts = {k: t[k] for k in ("num_stages", "maxnreg") if t.get(k)}
-            r = resources(fn, consts, arch, t.get("num_warps", 4), sig=dict(sig),
-                          attrs=attrs, options=opts)
+            r = attention_resources(arch, dict(c, two_loops=two))
             out.append({"kernel": "tree_attn", "rows": t["max_rows"],
-                        "inputs": f"bq{bq} bn{bn} s{sp}{' 2loop' if two else ''}",
-                        "chunk": bn, "warps": t.get("num_warps", 4), **r})
+                        "inputs": f"bq{c['block_q']} bn{c['block_n']} s{c['splits']}"
+                                  f"{' 2loop' if two else ''}",
+                        "chunk": c["block_n"], "warps": c.get("num_warps", 4), **r})
     return out
 
 
@@ -125,23 +135,12 @@ def attention_grid(arch: int, n: int = 1, b: int = 64, ctx: int = 512, sms: int 
     ``sms`` SMs and key tiles per program.  A model of the launch, not a timing."""
     import math
 
-    fn = ta._tree_attn_kernel
-    base = {n_: ATTN_PTRS.get(n_, "fp32" if n_ == "scale" else "i32" if n_ in
-                              ("block_size", "NQB", "NKV", "window") else "i64")
-            for n_ in fn.arg_names}
-    attrs = {(fn.arg_names.index(n_),): [["tt.divisibility", 16]]
-             for n_ in fn.arg_names if n_ in ATTN_PTRS or n_ in ATTN_DIV16}
     out = []
     for c in configs or [dict(block_q=bq, block_n=bn, splits=sp, two_loops=two)
                          for bq in (4, 8, 16) for bn in (16, 32, 64) for sp in (1, 4, 8)
                          for two in (False, True)]:
         bq, bn, sp, warps = c["block_q"], c["block_n"], c["splits"], c.get("num_warps", 4)
-        consts = dict(G=4, BLOCK_Q=bq, M=max(16, triton.next_power_of_2(bq * 4)), BLOCK_N=bn,
-                      D=128, DP=128, IEEE=False, USE_FOR=True, S=sp, RP=256, WINDOW=False,
-                      TWO_LOOPS=c.get("two_loops", False))
-        sig = dict(base, **{k: "constexpr" for k in consts})
-        opts = {k: c[k] for k in ("num_stages", "maxnreg") if c.get(k)}
-        r = resources(fn, consts, arch, warps, sig=sig, attrs=attrs, options=opts)
+        r = attention_resources(arch, c)
         per_sm = min(65536 // max(1, r["registers"] * 32 * warps),
                      (228 * 1024) // max(1, r["shared"]), 64 // warps)
         progs = n * math.ceil((b + 1) / bq) * 8 * sp

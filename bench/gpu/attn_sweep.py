@@ -6,7 +6,7 @@ and OUT/attn_tuning.json (the table cuda_attention.TUNING reads through
 VLLM_DDTREE_ATTN_TUNING), and prints the picks next to the default config.
 
     python bench/gpu/attn_sweep.py OUT_DIR
-    SWEEP_FROM_CHECKOUT=1 python bench/gpu/attn_sweep.py OUT_DIR   (no vLLM: this checkout's payload)
+    SWEEP_FROM_CHECKOUT=1 python bench/gpu/attn_sweep.py OUT_DIR   (this checkout, no vLLM)
 """
 
 from __future__ import annotations
