@@ -60,9 +60,11 @@ def main():
         SHAPES = [tuple(int(v) for v in x.split("x")) for x in os.environ["SWEEP_SHAPES"].split(",")]
     t0 = time.time()
     cases, res = {}, []
-    for n, b in SHAPES:
+    # the floor probe: the same shapes with no committed context (the tree part alone)
+    floor = [] if os.environ.get("SWEEP_FLOOR", "1") == "0" else [(n, b, 0) for n, b in SHAPES]
+    for n, b, c in [(n, b, ctx) for n, b in SHAPES] + floor:
         g = torch.Generator(device=dev).manual_seed(n * 1000 + b)
-        q_len, seq = b + 1, ctx + b + 1
+        q_len, seq = b + 1, c + b + 1
         nblk = (seq + bs - 1) // bs
         kv = torch.randn(2, n * nblk + 1, bs, hkv, d, device=dev, dtype=dt,
                          generator=g)
@@ -76,10 +78,10 @@ def main():
         st.has_tree.fill_(1)
         ref = reference_tree_attention(q, kv[0], kv[1], bt, sl, qsl, st.has_tree, st.mask,
                                           d ** -0.5, hkv)
-        cases[(n, b)] = (q, kv, bt, qsl, sl, st, ref, q_len)
+        cases[(n, b) if c else (n, b, 0)] = (q, kv, bt, qsl, sl, st, ref, q_len)
 
-    def bench(n, b, cfg):
-        q, kv, bt, qsl, sl, st, ref, q_len = cases[(n, b)]
+    def bench(n, b, cfg, case=None):
+        q, kv, bt, qsl, sl, st, ref, q_len = cases[case or (n, b)]
         out = torch.empty_like(q)
 
         def fn():
@@ -113,6 +115,19 @@ def main():
     default = {}
     for n, b in SHAPES:
         run(n, b, default, "default")
+    # the floor (RESULTS "why the tree attention kernel costs 2x FA3"): what a launch
+    # costs with no context, one program per query block (splits 1) and with the
+    # table's splits, next to an empty kernel replayed the same way
+    floors = []
+    for n, b, _ in floor:
+        for cfg in ({}, {"splits": 1}):
+            us, why = bench(n, b, cfg, (n, b, 0))
+            floors.append({"N": n, "B": b, "ctx": 0, **cfg, "us": us, "error": why})
+    if floor and dev == "cuda":
+        x = torch.zeros(1, device=dev)
+        floors.append({"empty_kernel_us": tt.do_bench_cudagraph(lambda: x.add_(1), rep=20) * 1e3})
+    for row in floors:
+        print(json.dumps(row), flush=True)
     for stage, grid in (("1", STAGE1), ("2", None)):
         for n, b in SHAPES:
             if time.time() - t0 > budget_s:
@@ -164,7 +179,7 @@ def main():
         print(json.dumps(row), flush=True)
     print(f"sweep: {len(res)} runs in {time.time() - t0:.0f} s", flush=True)
     with open(os.path.join(out_dir, "attn_sweep.json"), "w") as f:
-        json.dump({"runs": res, "summary": summary}, f, indent=1)
+        json.dump({"runs": res, "summary": summary, "floor": floors}, f, indent=1)
     # buckets not measured here keep the built-in entries
     done = {t["max_rows"] for t in tuning}
     tuning = sorted(tuning + [t for t in ca.TUNING if t["max_rows"] not in done],

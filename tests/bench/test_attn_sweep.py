@@ -60,3 +60,7 @@ def test_the_sweep_runs_and_tunes_what_it_measured(tmp_path, shapes, checkout):
     table = json.loads((out / "attn_tuning.json").read_text())
     assert [t["max_rows"] for t in table][0] == 16
     assert {(s["N"], s["B"]) for s in runs["summary"]} == measured
+    # the floor probe: no context, the table's splits and splits 1, each checked first
+    assert {(r["N"], r["B"], r.get("splits")) for r in runs["floor"]} == \
+        {(n, b, s) for n, b in measured for s in (None, 1)}
+    assert all(r["ctx"] == 0 and r["error"] is None and r["us"] > 0 for r in runs["floor"])
