@@ -94,7 +94,9 @@ def main():
             if dev == "cuda":
                 torch.cuda.synchronize()
             err = (out.float() - ref).abs().max().item()
-            if not err <= 8e-3:
+            # bf16 rounding of the output: 8e-3 up to |out| = 1 (no context: rows that
+            # see one key return V itself, |V| up to ~4)
+            if not err <= 8e-3 * max(1.0, ref.abs().max().item() / 2):
                 return None, f"wrong (err {err:.3g})"
             if dev == "cpu":
                 t = time.perf_counter()

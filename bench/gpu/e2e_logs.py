@@ -11,7 +11,9 @@ that config in the same round (the choice against the fixed tree).  --estimates:
 config with the choice (its cells log sched/arms.py's summary), the tree arm's last
 estimate / what it realized on its own steps, and the chain arm's (paired) estimate /
 the chain config's tau in the same cell and round: whether the choice's numbers
-predict what each arm delivers.
+predict what each arm delivers.  --decode: tokens/s of the decode steps alone (the
+cell's step timeline without its first step, the prompt's prefill: run 24 saw that
+step take 21-111 ms in every config, a cell of 256 tokens 0.3-0.9 s long).
 """
 
 from __future__ import annotations
@@ -37,13 +39,31 @@ def lines(folder: Path):
                 yield int(m.group(1)), m.group(2), line
 
 
-def read(folder: Path) -> dict:
-    """{(cell, n): {config: {round: value}}}; cell "step" holds ms, others tokens/s."""
+def decode_rate(doc: dict) -> float | None:
+    """Tokens/s over the decode steps: (tokens - the prefill's one a request) / the
+    timeline's seconds after its first step (the prefill: no drafts); None where the
+    timeline does not start with the prefill or misses a step's time."""
+    tl = doc.get("timeline") or []  # [requests, rows, drafts (None: prefill), ms]
+    if len(tl) < 3 or tl[0][2] is not None or any(t[3] is None for t in tl[1:-1]):
+        return None
+    n = doc.get("tokens", 0) - tl[0][0]  # the prefill step's token per request
+    known = [t[3] for t in tl[1:-1]]
+    # the last step has no next output to time it: the median of the others
+    ms = sum(known) + (tl[-1][3] if tl[-1][3] is not None else statistics.median(known))
+    return n / ms * 1e3 if ms > 0 else None
+
+
+def read(folder: Path, decode: bool = False) -> dict:
+    """{(cell, n): {config: {round: value}}}; cell "step" holds ms, others tokens/s
+    (decode: of the decode steps alone, cells whose timeline lacks steps left out)."""
     out: dict = {}
     for rnd, cfg, line in lines(folder):
         e = _E2E.match(line)
         if e and e.group(1) == cfg:
-            v = json.loads(e.group(4))["tok_per_s"]
+            doc = json.loads(e.group(4))
+            v = decode_rate(doc) if decode else doc["tok_per_s"]
+            if v is None:
+                continue
             out.setdefault((e.group(2), int(e.group(3))), {}).setdefault(cfg, {})[rnd] = v
             continue
         s = _STEP.match(line)
@@ -137,8 +157,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed", default=None, help="a config to hold the others against")
     ap.add_argument("--estimates", action="store_true",
                     help="the choice's estimates against what each arm realized")
+    ap.add_argument("--decode", action="store_true",
+                    help="tokens/s of the decode steps alone (without the prefill step)")
     args = ap.parse_args(argv)
-    data = read(args.folder)
+    data = read(args.folder, args.decode)
     if not data:
         print(f"e2e_logs: no e2e_r<round>_<config>.txt lines in {args.folder}", file=sys.stderr)
         return 2

@@ -22,26 +22,19 @@
 # the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
 # give the first engine stage that time (run 14's eq and step calls timed out on it).
 # The next session (30 device minutes; what each earlier one did: bench/gpu/DEVICE_LOG.md):
-# call 0 (no carry, no bundle: torch + Triton of the device): the tree attention sweep of
-# this checkout, `SWEEP_FROM_CHECKOUT=1 SWEEP_SHAPES=1x63,1x16,2x63 SWEEP_BUDGET_S=150
-# python3 bench/gpu/attn_sweep.py $OUT/sweep` (two_loops, pipeline depth 5-6, maxnreg,
-# 16-key tiles: RESULTS "why the tree attention kernel costs 2x FA3"); keep its
-# attn_tuning.json under /tmp and export VLLM_DDTREE_ATTN_TUNING to it in the engine
-# calls below when it beats the built-in table; call 1 (carry .gpu-b1) as above; call 2 (carry .gpu-b2 .whl, after
+# call 1 (carry .gpu-b1) as above; call 2 (carry .gpu-b2 .whl, after
 # `bash bench/gpu/make_whl.sh`): STAGES="install apply" with VERIFY=0, then
 # `ddtree-patch verify --quick --python python3` from /tmp; then e2e, 3 rounds:
 #   E2E_SHAPE=qwen3_8b BENCH_E2E_NEW=256 E2E_BATCHES=1,2,4 E2E_STEP=1,2
 #   BENCH_PROFILES=p60,p80,p90,real BENCH_REAL_PROFILE=bench/gpu/profiles/realpair_h100_1.json
 #   E2E_ROUNDS="1 2 3" E2E_CONFIGS="chain15async ddtree64autoasync ddtree64autoktasync
-#   ddtree63chainasync" STAGES=e2e   (~40 s per config and round; read with
-#   bench/gpu/e2e_logs.py DIR --fixed ddtree63chainasync, and --estimates)
-# (the new default, 63 at 1-2 requests for B = 64, with the choice against its fixed tree);
-# the tree attention sweep at 1-2 requests (`SWEEP_SHAPES=1x63,2x63 SWEEP_BUDGET_S=200
-# PYTHONPATH=/tmp/vb/vllm_slim:/tmp/vb/site:/tmp/ddt python3 bench/gpu/attn_sweep.py
-# $OUT/sweep`: +0.54 ms a step against FA3 at 1 request,
-# the largest piece left of the step); kprof at 4 requests (DDTree's chain steps carry
-# ~0.1 ms a step that DFlash's do not: KPROF_BATCHES=4 KPROF_CONFIGS="chain15async
-# ddtree64autoasync"); startup at 256; the V2 fp32 rows (fp32ieee).
+#   ddtree63chainasync" STAGES=e2e   (~45 s per config and round; read with
+#   bench/gpu/e2e_logs.py DIR --fixed ddtree63chainasync, --decode and --estimates)
+# (kt: the choice keeping its step times across cells, as a server does: not measured
+# with run 24's attention table); startup at 1 and 256 (STARTUP_SEQS); on an H200, the
+# tree attention sweep (call 0 of run 24, no bundle: `SWEEP_FROM_CHECKOUT=1
+# SWEEP_SHAPES=1x63,2x63,16x64 SWEEP_BUDGET_S=150 python3 bench/gpu/attn_sweep.py
+# $OUT/sweep`; the built-in table is the H100's).
 # The device returns at most 8 files a call: tar $OUT into one.
 set -u
 OUT=${OUT:-/tmp/out}

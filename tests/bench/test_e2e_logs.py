@@ -73,3 +73,29 @@ def test_estimates_against_what_each_arm_realized(tmp_path, capsys):
         f.unlink()
     assert m.main([str(tmp_path), "--estimates"]) == 2
     assert "logs the choice's arms" in capsys.readouterr().err
+
+
+def test_decode_rates_leave_the_prefill_step_out():
+    m = load()
+    # 2 requests: the prefill (no drafts, 40 ms) emits one token each; 3 decode steps
+    # of 10 ms, the last untimed (the median of the others stands in)
+    doc = {"tokens": 2 + 60, "timeline": [[2, 1024, None, 40.0], [2, 32, 15, 10.0],
+                                          [2, 32, 15, 10.0], [2, 32, 15, None]]}
+    assert m.decode_rate(doc) == 60 / 30e-3
+    # a timeline that does not start with the prefill, or misses a middle step's time
+    assert m.decode_rate({**doc, "timeline": doc["timeline"][1:]}) is None
+    broken = [list(t) for t in doc["timeline"]]
+    broken[1][3] = None
+    assert m.decode_rate({**doc, "timeline": broken}) is None
+    assert m.decode_rate({"tokens": 5, "tok_per_s": 9.0}) is None
+
+
+def test_decode_table_reads_the_timelines(tmp_path, capsys):
+    m = load()
+    for cfg, ms in (("chain15async", 10.0), ("tree", 8.0)):
+        doc = {"tokens": 1 + 40, "tok_per_s": 1.0,
+               "timeline": [[1, 512, None, 99.0]] + [[1, 16, 15, ms]] * 4}
+        (tmp_path / f"e2e_r1_{cfg}.txt").write_text(
+            f"22:18:24 {cfg} e2e p60 N 1 {json.dumps(doc)}\n")
+    assert m.main([str(tmp_path), "--decode"]) == 0
+    assert "| p60 N 1 | 1000.00 | 1.250 (1.250-1.250, 1) |" in capsys.readouterr().out

@@ -45,11 +45,10 @@ MAX_SPLITS = 8
 # key loop; two_loops: the context tiles in a loop of their own, without the tree mask).
 # VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table, read at the first launch
 # (bench/gpu/attn_sweep.py writes one from measurements).
-TUNING: list[dict] = [  # H200, bench/gpu/attn_sweep.py (bench/RESULTS.md)
-    {"max_rows": 96, "block_q": 8, "block_n": 32, "splits": 8},
-    {"max_rows": 512, "block_q": 16, "block_n": 32, "splits": 4},
-    {"max_rows": 2048, "block_q": 16, "block_n": 32, "splits": 1, "num_warps": 4,
-     "num_stages": 2},
+TUNING: list[dict] = [  # H100, bench/gpu/attn_sweep.py, run 24 (bench/RESULTS.md)
+    {"max_rows": 96, "block_q": 16, "block_n": 32, "splits": 4, "two_loops": True},
+    {"max_rows": 512, "block_q": 16, "block_n": 32, "splits": 4, "two_loops": True},
+    {"max_rows": 2048, "block_q": 16, "block_n": 32, "splits": 1, "two_loops": True},
 ]
 _loaded: dict[str, list] = {}  # tuning file -> its table
 
