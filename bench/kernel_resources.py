@@ -88,19 +88,20 @@ def resources(fn, consts: dict, arch: int, warps: int = 4, fp32_inputs: bool = F
 # the JIT marks 16-divisible pointers and strides, so these compile with those marks
 ATTN_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "BT": "*i32",
              "SEQ": "*i32", "QSL": "*i32", "HAS": "*i32", "MASK": "*i8", "PM": "*fp32",
-             "PL": "*fp32", "PACC": "*fp32"}
+             "PL": "*fp32", "PACC": "*fp32", "CNT": "*i32"}
 ATTN_DIV16 = ("s_qt", "s_qh", "s_ot", "s_oh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh")
 
 
 def attention_resources(arch: int, c: dict) -> dict:
     """Compile the tree attention kernel with launch config ``c`` (block_q, block_n,
-    splits, two_loops, num_warps, num_stages, maxnreg) for Qwen3-8B's heads (G = 4,
+    splits, two_loops, fused_combine, num_warps, num_stages, maxnreg) for Qwen3-8B's heads (G = 4,
     d = 128, bf16), with the JIT's 16-divisibility marks."""
     fn = ta._tree_attn_kernel
     bq, bn = c["block_q"], c["block_n"]
     consts = dict(G=4, BLOCK_Q=bq, M=max(16, triton.next_power_of_2(bq * 4)), BLOCK_N=bn,
                   D=128, DP=128, IEEE=False, USE_FOR=True, S=c["splits"], RP=256,
-                  WINDOW=False, TWO_LOOPS=bool(c.get("two_loops")))
+                  WINDOW=False, TWO_LOOPS=bool(c.get("two_loops")),
+                  FUSED=bool(c.get("fused_combine")) and c["splits"] > 1)
     sig = {n: "constexpr" if n in consts else ATTN_PTRS.get(
         n, "fp32" if n == "scale" else "i32" if n in ("block_size", "NQB", "NKV", "window")
         else "i64") for n in fn.arg_names}

@@ -243,7 +243,7 @@ def test_a_missing_launch_table_is_a_configuration_error(monkeypatch, tmp_path):
 
 def test_a_good_launch_table_is_what_the_kernel_reads(monkeypatch, tmp_path):
     table = [{"max_rows": 96, "block_q": 8, "block_n": 16, "splits": 4, "two_loops": True,
-              "num_stages": 5, "maxnreg": 168}, {"max_rows": 4096}]
+              "num_stages": 5, "maxnreg": 168, "fused_combine": True}, {"max_rows": 4096}]
     f = tmp_path / "t.json"
     f.write_text(__import__("json").dumps(table))
     monkeypatch.setenv(envs.ATTN_TUNING, str(f))

@@ -65,18 +65,24 @@ def check(case, max_q, dtype, splits=(None, 1, 3), window=None):
     ca = payload_module("attention.triton_tree")
     ref = reference_tree_attention(**case, window=window)
     # auto, one program per query block, keys split over 3; one key loop or two (the
-    # context's own; 4-key tiles put the context / tree boundary inside tiles and splits)
-    runs = [(sp, two, None) for sp in splits for two in (False, True)] + \
-        [(1, True, 8), (3, True, 4)]
-    for sp, two, bn in runs:
+    # context's own; 4-key tiles put the context / tree boundary inside tiles and splits);
+    # the splits merged by a second launch or by the last split (fused, twice: the
+    # counters must be left at zero for the next launch)
+    runs = [(sp, two, None, False) for sp in splits for two in (False, True)] + \
+        [(1, True, 8, False), (3, True, 4, False), (3, False, None, True),
+         (3, True, 4, True), (3, True, 4, True)]
+    for sp, two, bn, fused in runs:
         out = torch.full_like(case["query"], float("nan"))
         ca.launch(case["query"], case["key_cache"], case["value_cache"], out,
                   case["block_table"], case["seq_lens"], case["query_start_loc"],
                   case["has_tree"], case["mask"], case["scale"], max_q,
-                  case["num_kv_heads"], splits=sp, window=window, two_loops=two, block_n=bn)
+                  case["num_kv_heads"], splits=sp, window=window, two_loops=two, block_n=bn,
+                  fused_combine=fused)
         assert not torch.isnan(out).any()
         err = (out.float() - ref).abs().max().item()
-        assert err <= TOL[dtype], (sp, two, bn, err)
+        assert err <= TOL[dtype], (sp, two, bn, fused, err)
+        if fused:
+            assert not any(b.any() for b in ca._counters[str(out.device)])
     return out, ref
 
 
@@ -163,7 +169,10 @@ def test_chain_mask_equals_causal():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need CUDA")
-def test_cuda_graph_replay_sees_new_trees():
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_graph_replay_sees_new_trees(fused):
+    """fused: 4 key splits merged by the last (its counters must be zero again after
+    each replay, or the next replay merges too early or never)."""
     dtype = torch.bfloat16
     n, budget = 3, 32
     case, mq = make_case("cuda", dtype, [budget + 1] * n, [100, 7, 300], [True] * n,
@@ -174,7 +183,8 @@ def test_cuda_graph_replay_sees_new_trees():
     def run():
         ca.launch(case["query"], case["key_cache"], case["value_cache"], out,
                   case["block_table"], case["seq_lens"], case["query_start_loc"],
-                  case["has_tree"], case["mask"], case["scale"], mq, case["num_kv_heads"])
+                  case["has_tree"], case["mask"], case["scale"], mq, case["num_kv_heads"],
+                  **({"splits": 4, "fused_combine": True} if fused else {}))
 
     run()
     torch.cuda.synchronize()
@@ -195,6 +205,8 @@ def test_cuda_graph_replay_sees_new_trees():
         ref = reference_tree_attention(**case)
         err = (out.float() - ref).abs().max().item()
         assert err <= TOL[dtype], (seed, err)
+        if fused:
+            assert not any(b.any() for b in ca._counters["cuda:0"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, "half"])

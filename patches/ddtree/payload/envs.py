@@ -75,7 +75,7 @@ def attn_tuning() -> str | None:
 TUNING_INTS = ("max_rows", "block_q", "block_n", "splits", "num_warps", "num_stages",
                "maxnreg")
 TUNING_POW2 = ("block_n", "num_warps")  # Triton tile / warp counts
-TUNING_FLAGS = ("two_loops",)
+TUNING_FLAGS = ("two_loops", "fused_combine")
 
 
 def attn_tuning_table(path: str) -> list[dict]:

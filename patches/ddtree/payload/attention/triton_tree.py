@@ -42,7 +42,8 @@ MAX_SPLITS = 8
 # Launch configs by the step's query rows (num_reqs * max_query_len): the first entry
 # whose bound is >= rows wins; missing fields keep the defaults (block_q = 64 // G query
 # tokens per program, 64-key tiles, automatic key splits, 4 warps, Triton's stages, one
-# key loop; two_loops: the context tiles in a loop of their own, without the tree mask).
+# key loop; two_loops: the context tiles in a loop of their own, without the tree mask;
+# fused_combine: the key splits merged by the last one to finish, not a second launch).
 # VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table, read at the first launch
 # (bench/gpu/attn_sweep.py writes one from measurements).
 TUNING: list[dict] = [  # H100, bench/gpu/attn_sweep.py, run 24 (bench/RESULTS.md)
@@ -142,16 +143,18 @@ if HAS_TRITON:
         return online_update(s, m_i, l_i, acc, v, IEEE)
 
     @triton.jit
-    def _tree_attn_kernel(Q, K, V, O, BT, SEQ, QSL, HAS, MASK, PM, PL, PACC,
+    def _tree_attn_kernel(Q, K, V, O, BT, SEQ, QSL, HAS, MASK, PM, PL, PACC, CNT,
                           s_qt, s_qh, s_ot, s_oh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                           s_bt, s_mr, s_mi, scale, block_size, NQB, NKV, window,
                           G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
                           BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                           IEEE: tl.constexpr, USE_FOR: tl.constexpr, S: tl.constexpr,
-                          RP: tl.constexpr, WINDOW: tl.constexpr, TWO_LOOPS: tl.constexpr):
+                          RP: tl.constexpr, WINDOW: tl.constexpr, TWO_LOOPS: tl.constexpr,
+                          FUSED: tl.constexpr):
         # one program = one request x BLOCK_Q query tokens x one KV head (all G query
         # heads of it: M >= BLOCK_Q * G rows, GQA packed like unified_attention) x one
-        # of S key splits (S > 1: partial softmax state to PM/PL/PACC, then _combine)
+        # of S key splits (S > 1: partial softmax state to PM/PL/PACC, then _combine;
+        # FUSED: the group's last split to finish merges them, counted in CNT)
         r = tl.program_id(0)
         qb = tl.program_id(1)
         kvh = tl.program_id(2) // S
@@ -243,10 +246,21 @@ if HAS_TRITON:
             tl.store(O + tok[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
                      out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
         else:
-            part = ((r.to(tl.int64) * NQB + qb) * NKV + kvh) * S + sp
+            grp = (r.to(tl.int64) * NQB + qb) * NKV + kvh
+            part = grp * S + sp
             tl.store(PM + part * M + m, m_i)
             tl.store(PL + part * M + m, l_i)
             tl.store(PACC + (part * M + m)[:, None] * DP + d[None, :], acc)
+            if FUSED:
+                # every thread's stores, then one release/acquire count per program:
+                # the S-th to arrive sees all S partial states and merges them
+                tl.debug_barrier()
+                arrived = tl.atomic_add(CNT + grp, 1)
+                if arrived == S - 1:
+                    tl.debug_barrier()
+                    _merge_out(O, PM, PL, PACC, grp * S, m, d, tok, h, row_ok, dm, s_ot,
+                               s_oh, M, DP, S)
+                    tl.atomic_xchg(CNT + grp, 0)  # zero again: the next launch / replay
 
     @triton.jit
     def _combine(O, QSL, PM, PL, PACC, s_ot, s_oh, NQB, NKV,
@@ -261,14 +275,22 @@ if HAS_TRITON:
             return
         qi, h, row_ok, d, dm, tok = row_index(q0, q_len, qb, kvh, G, BLOCK_Q, M, D, DP)
         m = tl.arange(0, M)
+        base = ((r.to(tl.int64) * NQB + qb) * NKV + kvh) * S
+        _merge_out(O, PM, PL, PACC, base, m, d, tok, h, row_ok, dm, s_ot, s_oh, M, DP, S)
+
+    @triton.jit
+    def _merge_out(O, PM, PL, PACC, base, m, d, tok, h, row_ok, dm, s_ot, s_oh,
+                   M: tl.constexpr, DP: tl.constexpr, S: tl.constexpr):
+        """Merge the S partial softmax states from ``base`` on and store the rows
+        (loads bypass L1: in the fused form other programs wrote them)."""
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, DP], tl.float32)
-        base = ((r.to(tl.int64) * NQB + qb) * NKV + kvh) * S
         for sp in tl.static_range(S):
-            ms = tl.load(PM + (base + sp) * M + m)
-            ls = tl.load(PL + (base + sp) * M + m)
-            accs = tl.load(PACC + ((base + sp) * M + m)[:, None] * DP + d[None, :])
+            ms = tl.load(PM + (base + sp) * M + m, cache_modifier=".cg")
+            ls = tl.load(PL + (base + sp) * M + m, cache_modifier=".cg")
+            accs = tl.load(PACC + ((base + sp) * M + m)[:, None] * DP + d[None, :],
+                           cache_modifier=".cg")
             m_i, l_i, acc = merge_state(m_i, l_i, acc, ms, ls, accs)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -276,16 +298,33 @@ if HAS_TRITON:
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
 
 
+_counters: dict[str, list[torch.Tensor]] = {}  # device -> its counter buffers, newest last
+
+
+def counters(device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of >= n arrival counters (fused_combine) for the launches
+    on ``device``: one per device, kept zero by the kernel itself (the last program of
+    a group resets its counter), so CUDA graphs replay it as captured.  Launches on a
+    device run one after another (one stream); a bigger one replaces it, and the
+    smaller stays alive for the graphs captured with it."""
+    bufs = _counters.setdefault(str(device), [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
 def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_start_loc,
            has_tree, mask, scale: float, max_query_len: int, num_kv_heads: int,
            block_n: int | None = None, splits: int | None = None, block_q: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None,
            window: int | None = None, two_loops: bool | None = None,
-           maxnreg: int | None = None) -> torch.Tensor:
+           maxnreg: int | None = None, fused_combine: bool | None = None) -> torch.Tensor:
     """query/output [T, Hq, D] (or [T, Hq*D]); key/value_cache [blocks, block_size,
     Hkv, D]; block_table [R, max_blocks]; seq_lens [R]; query_start_loc [R + 1];
     has_tree [>= R] int32; mask [>= R, rows, rows] int8 (last dim contiguous);
-    window: a sliding window W (a row sees keys at positions >= its own - W + 1).
+    window: a sliding window W (a row sees keys at positions >= its own - W + 1);
+    fused_combine: with key splits, the last split of each query block merges the
+    partial states (no second launch; a zeroed counter per block, left zeroed).
 
     Small batches split the keys over S programs (flash-decoding style) so the GPU is
     filled; S depends on the launch shape only (CUDA-graph safe: each program derives
@@ -303,6 +342,7 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
     num_warps = num_warps or cfg.get("num_warps") or 4
     num_stages = num_stages or cfg.get("num_stages")
     two_loops = cfg.get("two_loops", False) if two_loops is None else two_loops
+    fused = cfg.get("fused_combine", False) if fused_combine is None else fused_combine
     extra = {} if num_stages is None else {"num_stages": num_stages}
     maxnreg = maxnreg or cfg.get("maxnreg")
     if maxnreg and not interpreting():  # a register cap: more programs per SM
@@ -321,10 +361,12 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
         pacc = torch.empty(n * dp, dtype=torch.float32, device=q.device)
     else:
         pm = pl = pacc = q  # unused
+    fused = bool(fused) and splits > 1
+    cnt = counters(q.device, progs) if fused else seq_lens  # unused without
     assert mask.stride(2) == 1
     _tree_attn_kernel[(num_reqs, nqb, num_kv_heads * splits)](
         q, key_cache, value_cache, o, block_table, seq_lens, query_start_loc, has_tree, mask,
-        pm, pl, pacc,
+        pm, pl, pacc, cnt,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -333,8 +375,8 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
         G=g, BLOCK_Q=block_q, M=m, BLOCK_N=block_n, D=d, DP=dp,
         IEEE=query.dtype == torch.float32, USE_FOR=not interpreting(), S=splits,
         RP=max(2, next_pow2(mask.shape[2])), WINDOW=window is not None,
-        TWO_LOOPS=bool(two_loops), num_warps=num_warps, **extra)
-    if splits > 1:
+        TWO_LOOPS=bool(two_loops), FUSED=fused, num_warps=num_warps, **extra)
+    if splits > 1 and not fused:
         _combine[(num_reqs, nqb, num_kv_heads)](
             o, query_start_loc, pm, pl, pacc, o.stride(0), o.stride(1), nqb, num_kv_heads,
             G=g, BLOCK_Q=block_q, M=m, D=d, DP=dp, S=splits, num_warps=4)
