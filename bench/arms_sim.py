@@ -26,6 +26,7 @@ exploration, wrong calls), not the GPU.
 
 import argparse
 import random
+from collections import deque
 import statistics
 import sys
 from pathlib import Path
@@ -51,20 +52,33 @@ PROFILES = {"p60": [0.6, 0.15, 0.08, 0.05], "p80": [0.8, 0.1, 0.04],
 # (run 21, 4 requests: ddtree16async's and chain15async's steady steps, round 2: the arms
 # at every batch size where B <= C + 1, step_bench's ddtree16every, #29)
 # (realpair_h100_2: 8B shape on the H100, ddtree64autoasync's steady tree / chain steps)
+# vLLM's async scheduling: the drafts of step j + 1 are set when step j is scheduled,
+# after the output of step j - 2 (2 steps in flight between the last output seen and the
+# step a choice sets; run 24: a cold cell's chain calibration of 2 windows, 8 steps)
+IN_FLIGHT = 2
+# the first decode steps after a prefill as the scheduler's clock saw them (run 24, 8B,
+# H100: 4.1 / 5.2, 5.8 / 5.7, 4.3 / 5.2 at steps 1-2, 6.8 / 5.9 / 7.2 at steps 3-5,
+# where a step took ~9.1-9.6 ms; the prefill's interval holds the rest): BACKLOG
+# steps, from one of the first three, each seen at LOW-HIGH of its time
+BACKLOG, BACKLOG_LOW, BACKLOG_HIGH = 3, 0.45, 0.8
 STEP_MS = {"8B, 1": (8.33, 6.98, 64, 1), "8B, 2": (8.5, 7.18, 32, 2),
            "8B H100, 1": (10.57, 9.13, 64, 1), "8B H100, 2": (10.9, 9.2, 32, 2),
-           "27B, 1": (30.3, 29.7, 16, 1), "27B, 4": (35.36, 34.45, 16, 4)}
+           "27B, 1": (30.3, 29.7, 16, 1), "27B, 4": (35.36, 34.45, 16, 4),
+           "8B H100 run 24, 1": (9.55, 8.86, 63, 1), "8B H100 run 24, 2": (9.91, 8.95, 63, 2)}
 
 
 def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None,
          switch_ms: float = 0.0, reqs: int = 1, B: int = 64, keep: list | None = None,
-         keep_times: bool = False):
+         keep_times: bool = False, in_flight: int = IN_FLIGHT, backlog: bool = True):
     """(tokens per ms, share of tree steps) of the choice over ``steps`` steps of
     ``reqs`` requests, or of always the arm ``fixed`` (B or C) on the same rows and
     times; ``switch_ms`` is added to a step whose arm differs from the step before;
     ``keep`` gets the lookup (its trace: bench/gpu/arms_replay.py); keep_times: the
     choice first plays an earlier cell (other rows) and keeps only its step times
-    (ArmLookup.renew(keep_times=True): a running server meeting new text)."""
+    (ArmLookup.renew(keep_times=True): a running server meeting new text).  in_flight:
+    steps between the last one observed and the one a choice sets (vLLM's async
+    scheduling: 2); backlog: the first steps of a cell are seen closer together than
+    they ran (BACKLOG)."""
     ch = channel.ArmChannel()  # one engine's: both halves in one process
     # the kernels' torch references (tests run under TRITON_INTERPRET: slow, and what is
     # simulated here is the choice; tests/gpu/test_paired_counts.py holds them equal)
@@ -73,7 +87,11 @@ def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=Non
     lookup = arms.ArmLookup([0] + [B] * reqs, C, ch)
     clock = [0.0]
     lookup.clock = lambda: clock[0] / 1000
-    cell = (pool, ex, clock, ms_tree, ms_chain, fixed, switch_ms, reqs, B)
+    brng = random.Random(seed + 7)
+    seen = [1.0] * brng.randrange(3) + [brng.uniform(BACKLOG_LOW, BACKLOG_HIGH)
+                                        for _ in range(BACKLOG)]
+    cell = (pool, ex, clock, ms_tree, ms_chain, fixed, switch_ms, reqs, B, in_flight,
+            seen if backlog else ())
     if keep_times and not fixed:
         _cell(lookup, 40, random.Random(seed + 1000), *cell)
         lookup = lookup.renew(keep_times=True)
@@ -84,18 +102,25 @@ def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=Non
     return tokens / ms, trees / steps
 
 
-def _cell(lookup, steps, rng, pool, ex, clock, ms_tree, ms_chain, fixed, switch_ms, reqs, B):
+def _cell(lookup, steps, rng, pool, ex, clock, ms_tree, ms_chain, fixed, switch_ms, reqs, B,
+          in_flight=1, backlog=()):
     """``steps`` steps of the choice (or of ``fixed``) on random rows of the pool:
-    (tokens, ms, tree steps)."""
+    (tokens, ms, tree steps).  Each cell starts with a prefill (not a decode step: the
+    choice measures from the next one)."""
     vals, idx, lse, walk, hits = pool
     tree_acc, chain_acc = walk.num_accepted, hits[:, :C].sum(1)
     slots, valid = torch.arange(reqs), torch.ones(reqs, dtype=torch.bool)
     names = [f"r{i}" for i in range(reqs)]
-    k, tokens, ms, trees = lookup[reqs], 0, 0.0, 0
+    clock[0] += 20.0
+    lookup.observe(*out({r: 16 for r in names}, {}, [1] * reqs))  # the prefill
+    pending = deque(lookup[reqs] for _ in range(in_flight))
+    k, tokens, ms, trees = pending[0], 0, 0.0, 0
     prev = k
-    for _ in range(steps):
+    for step in range(steps):
         j = torch.tensor([rng.randrange(tree_acc.numel()) for _ in range(reqs)])
-        nxt = lookup[reqs]
+        pending.append(lookup[reqs])  # set now, verified in_flight steps later
+        k = pending.popleft()
+        nxt = pending[0]
         if fixed:
             k = nxt = fixed
         if k == B:
@@ -106,10 +131,10 @@ def _cell(lookup, steps, rng, pool, ex, clock, ms_tree, ms_chain, fixed, switch_
             emitted, dt = (1 + chain_acc[j]).tolist(), ms_chain
         dt = dt * rng.uniform(0.98, 1.02) + (switch_ms if k != prev else 0.0)
         prev = k
-        clock[0] += dt
+        # the clock the choice reads: the backlog's first steps seen closer together
+        clock[0] += dt * (backlog[step] if step < len(backlog) else 1.0)
         tokens, ms = tokens + sum(emitted), ms + dt
         lookup.observe(*out({r: 1 + k for r in names}, {r: k for r in names}, emitted))
-        k = nxt
     return tokens, ms, trees
 
 
@@ -129,6 +154,11 @@ def main() -> None:
                     help="the chain leads where it leads by this many standard errors")
     ap.add_argument("--min-rows", type=int, default=arms.MIN_ROWS,
                     help="and only once this many paired rows are in")
+    ap.add_argument("--in-flight", type=int, default=IN_FLIGHT,
+                    help="steps between the last output seen and the step a choice sets "
+                         "(vLLM's async scheduling: 2; the older simulation: 1)")
+    ap.add_argument("--no-backlog", action="store_true",
+                    help="the first steps of a cell seen as long as they ran")
     ap.add_argument("--keep-times", action="store_true",
                     help="the choice keeps the step times of an earlier cell (a running "
                          "server); its counts start afresh")
@@ -154,7 +184,8 @@ def main() -> None:
                 got, chain, best, share = [], [], [], []
                 for seed in range(a.seeds):
                     g, sh = play(pool, s, seed, mt, mc, switch_ms=a.switch_ms, reqs=r, B=b,
-                                 keep_times=a.keep_times)
+                                 keep_times=a.keep_times, in_flight=a.in_flight,
+                                 backlog=not a.no_backlog)
                     c = play(pool, s, seed, mt, mc, fixed=C, reqs=r, B=b)[0]
                     t = play(pool, s, seed, mt, mc, fixed=b, reqs=r, B=b)[0]
                     got.append(g), chain.append(c), best.append(max(c, t)), share.append(sh)

@@ -37,21 +37,24 @@ def out(reqs: dict[str, int], drafts: dict[str, int], sampled: list[int]):
     return so, SimpleNamespace(sampled_token_ids=[[7] * t for t in sampled])
 
 
-def simulate(lookup, cost: dict, tau: dict, steps: int = 600, n: int = 1, seed: int = 0):
-    """Run ``steps`` decode steps of n requests; returns the k verified per step."""
+def simulate(lookup, cost: dict, tau: dict, steps: int = 600, n: int = 1, seed: int = 0,
+             in_flight: int = 1):
+    """Run ``steps`` decode steps of n requests; returns the k verified per step.  The
+    scheduler picks a step's drafts before the outputs of the in_flight steps before
+    it are in (vLLM's async scheduling: 2)."""
     clock = [0.0]
     lookup.clock = lambda: clock[0]
     rng = random.Random(seed)
-    k = lookup[n]
+    pending = [lookup[n] for _ in range(in_flight)]
     seen = []
     for _ in range(steps):
-        nxt = lookup[n]  # the scheduler picks the next step's drafts before this output
+        pending.append(lookup[n])
+        k = pending.pop(0)
         clock[0] += cost[k] * rng.uniform(0.95, 1.05)
         sampled = [max(1, min(k + 1, round(rng.gauss(tau[k], 1.0)))) for _ in range(n)]
         names = [f"r{i}" for i in range(n)]
         lookup.observe(*out({r: 1 + k for r in names}, {r: k for r in names}, sampled))
         seen.append(k)
-        k = nxt
     return seen
 
 
@@ -670,13 +673,35 @@ def test_paired_counts_shorten_the_calibration():
     ch, paired = calibration(True)
     assert ch.paired and arms.MIN_PAIRED < arms.MIN_STEPS
     assert paired[:arms.WINDOW] == [TREE] * arms.WINDOW
-    assert paired[arms.WINDOW:2 * arms.WINDOW] == [CHAIN] * arms.WINDOW
+    # the chain: the switch's step and MIN_PAIRED measured ones, then the tree while
+    # their outputs are in flight
+    cal = arms.WINDOW + arms.MIN_PAIRED + 1
+    assert paired[arms.WINDOW:cal] == [CHAIN] * (arms.MIN_PAIRED + 1)
+    assert paired[cal:cal + arms.IN_FLIGHT] == [TREE] * arms.IN_FLIGHT
     ex = v2_arms.ArmExpect([1], 2, 3, max_reqs=1, device="cpu")
     ex.draft(torch.zeros(1, 3, 2), torch.tensor([[[5, 6], [7, 8], [9, 1]]]),
              torch.zeros(1, 3), torch.tensor([0]))
     out, acc = _walk_out([[5, 7, 4]], 4)
     ex.verified(1, torch.tensor([0]), out, acc, torch.tensor([True]))
     assert ex.pending and ex.sums[1].tolist()[:4] == [2, 1, 2, 1]  # copied, not faded
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_the_chain_is_calibrated_once_while_its_steps_are_in_flight(paired):
+    """vLLM's async scheduling sets a step's drafts before the outputs of the 2 steps
+    before it are in: a cold cell's chain calibration was chosen twice over (run 24,
+    H100: 8 chain steps in every cold cell, 12 % of a p60 cell, where the chain emits
+    2.6 tokens a step to the tree's 4).  Once is enough: its steps are measured when
+    they land, and the tree plays meanwhile."""
+    ch = channel.ArmChannel()
+    ch.paired = paired  # as the worker half (sched/paired.py's ArmExpect) sets it
+    least = arms.MIN_PAIRED if paired else arms.MIN_STEPS
+    seen = simulate(arms.ArmLookup([0, TREE], CHAIN, ch), {TREE: 8.0, CHAIN: 7.0},
+                    {TREE: 4.0, CHAIN: 2.0}, steps=40, in_flight=2)
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(seen)]
+    assert runs[1] == (CHAIN, least + 1), runs  # the switch's step + `least` measured
+    assert runs[0][0] == runs[2][0] == TREE and runs[2][1] >= 4, runs
+    assert seen.count(CHAIN) == least + 1, runs  # the tree leads: no second window
 
 
 @pytest.mark.parametrize("extra,first", [(0.0, 0.0), (0.3, 0.3), (6.0, 6.0), (0.0, 50.0)])

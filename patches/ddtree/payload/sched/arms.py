@@ -28,7 +28,9 @@ tree ran 1.06x the choice; bench/arms_sim.py reproduced it, 0.947 of the faster 
 and gives 0.985 with this rule); each count's spread has a floor (PRIOR_VAR), so rows
 that all agree are not read as certainty.  Else (measured tokens) the other arm must beat the
 leader by MARGIN. The first steps of each arm calibrate (MIN_STEPS; MIN_PAIRED with
-paired counts, where the tree's steps give the chain's tokens too); after that, a choice
+paired counts, where the tree's steps give the chain's tokens too; the chain's in one run
+of that many steps plus the switch's, then the tree while their outputs are in flight,
+IN_FLIGHT steps: async scheduling chooses before they land); after that, a choice
 holds WINDOW steps, and every EXPLORE-th choice (4 x EXPLORE once one is clearly ahead,
 by 2 Z standard errors or by CLEAR on measured tokens, and both arms have WELL steps;
 with paired counts a tree that clearly leads needs none of the chain's beyond its
@@ -79,6 +81,11 @@ PRIOR_ROWS = 2.0
 PRIOR_VAR = 1.0
 LOG_EVERY = 60.0  # seconds between two log lines of the arms' rates
 TRACE = 4096  # measured steps kept for a replay of the estimates (``trace``)
+# vLLM's async scheduling sets the drafts of step j + 1 when it schedules step j, after
+# the output of step j - 2: 2 steps are in flight between the last output seen and the
+# step a choice sets (run 24, H100: a cold cell's chain calibration took two windows,
+# 8 steps, its second chosen before the first's outputs were in)
+IN_FLIGHT = 2
 
 
 class Arm:
@@ -135,6 +142,7 @@ class ArmLookup(list):
         self.current = {n: ks[0] for n, ks in self.arms.items()}
         self.hold = dict.fromkeys(self.arms, 0)
         self.choices = dict.fromkeys(self.arms, 0)
+        self.calibrating = dict.fromkeys(self.arms, False)  # the chain's steps in flight
         self.leader = {n: ks[0] for n, ks in self.arms.items()}
         self.picked = {key: 0 for key in self.stats}  # choices made, per arm
         self._last = None  # clock at the previous output, when that step was a decode
@@ -173,11 +181,19 @@ class ArmLookup(list):
         tree, chain = self.arms[n]
         t, c = self.stats[(n, tree)], self.stats[(n, chain)]
         least = MIN_PAIRED if self.channel.paired else MIN_STEPS
+        steps = None  # the choice's window (None: _window's)
         if t.steps < least:
             pick = tree
         elif c.steps < least and not (self.channel.paired and len(c.recent) >= least):
-            pick = chain  # with paired counts the chain's tokens come from tree steps:
-            # a step time it already has (renew(keep_times=True)) calibrates it
+            # with paired counts the chain's tokens come from tree steps: a step time it
+            # already has (renew(keep_times=True)) calibrates it.  Calibration: the
+            # switch's step and `least` measured ones, then the tree while their
+            # outputs are still in flight (IN_FLIGHT), not a second window of the chain
+            if self.calibrating[n]:
+                pick, steps = tree, IN_FLIGHT
+            else:
+                pick, steps = chain, least + 1
+            self.calibrating[n] = not self.calibrating[n]
         else:
             rate = self.rates(n)
             lead = self.leader[n]
@@ -202,7 +218,7 @@ class ArmLookup(list):
             self.choices[n] += 1
             pick = other if self.choices[n] % period == 0 else best
         self.current[n] = pick
-        self.hold[n] = self._window(n) - 1
+        self.hold[n] = (steps or self._window(n)) - 1
         self.picked[(n, pick)] += 1
         return pick
 
