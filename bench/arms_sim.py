@@ -61,6 +61,9 @@ IN_FLIGHT = 2
 # where a step took ~9.1-9.6 ms; the prefill's interval holds the rest): BACKLOG
 # steps, from one of the first three, each seen at LOW-HIGH of its time
 BACKLOG, BACKLOG_LOW, BACKLOG_HIGH = 3, 0.45, 0.8
+# step_bench.py renews the choice, then runs an untimed request of 8 tokens (2-3 decode
+# steps at these profiles), then the timed cell
+WARMUP = 3
 STEP_MS = {"8B, 1": (8.33, 6.98, 64, 1), "8B, 2": (8.5, 7.18, 32, 2),
            "8B H100, 1": (10.57, 9.13, 64, 1), "8B H100, 2": (10.9, 9.2, 32, 2),
            "27B, 1": (30.3, 29.7, 16, 1), "27B, 4": (35.36, 34.45, 16, 4),
@@ -69,7 +72,8 @@ STEP_MS = {"8B, 1": (8.33, 6.98, 64, 1), "8B, 2": (8.5, 7.18, 32, 2),
 
 def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=None,
          switch_ms: float = 0.0, reqs: int = 1, B: int = 64, keep: list | None = None,
-         keep_times: bool = False, in_flight: int = IN_FLIGHT, backlog: bool = True):
+         keep_times: bool = False, in_flight: int = IN_FLIGHT, backlog: bool = True,
+         warmup: int = WARMUP):
     """(tokens per ms, share of tree steps) of the choice over ``steps`` steps of
     ``reqs`` requests, or of always the arm ``fixed`` (B or C) on the same rows and
     times; ``switch_ms`` is added to a step whose arm differs from the step before;
@@ -78,7 +82,9 @@ def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=Non
     (ArmLookup.renew(keep_times=True): a running server meeting new text).  in_flight:
     steps between the last one observed and the one a choice sets (vLLM's async
     scheduling: 2); backlog: the first steps of a cell are seen closer together than
-    they ran (BACKLOG)."""
+    they ran (BACKLOG); warmup: decode steps of a short untimed request first, after the
+    choice was renewed (step_bench.py's warm-up: the tree's calibration may be done
+    before the timed cell starts)."""
     ch = channel.ArmChannel()  # one engine's: both halves in one process
     # the kernels' torch references (tests run under TRITON_INTERPRET: slow, and what is
     # simulated here is the choice; tests/gpu/test_paired_counts.py holds them equal)
@@ -98,6 +104,8 @@ def play(pool, steps: int, seed: int, ms_tree: float, ms_chain: float, fixed=Non
         ex.reset()
     if keep is not None:
         keep.append(lookup)
+    if warmup and not fixed:
+        _cell(lookup, warmup, random.Random(seed + 2000), *cell)
     tokens, ms, trees = _cell(lookup, steps, random.Random(seed), *cell)
     return tokens / ms, trees / steps
 
@@ -159,6 +167,8 @@ def main() -> None:
                          "(vLLM's async scheduling: 2; the older simulation: 1)")
     ap.add_argument("--no-backlog", action="store_true",
                     help="the first steps of a cell seen as long as they ran")
+    ap.add_argument("--warmup", type=int, default=WARMUP,
+                    help="decode steps of an untimed request before each cell")
     ap.add_argument("--keep-times", action="store_true",
                     help="the choice keeps the step times of an earlier cell (a running "
                          "server); its counts start afresh")
@@ -185,7 +195,7 @@ def main() -> None:
                 for seed in range(a.seeds):
                     g, sh = play(pool, s, seed, mt, mc, switch_ms=a.switch_ms, reqs=r, B=b,
                                  keep_times=a.keep_times, in_flight=a.in_flight,
-                                 backlog=not a.no_backlog)
+                                 backlog=not a.no_backlog, warmup=a.warmup)
                     c = play(pool, s, seed, mt, mc, fixed=C, reqs=r, B=b)[0]
                     t = play(pool, s, seed, mt, mc, fixed=b, reqs=r, B=b)[0]
                     got.append(g), chain.append(c), best.append(max(c, t)), share.append(sh)
