@@ -22,6 +22,10 @@
 # the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
 # give the first engine stage that time (run 14's eq and step calls timed out on it).
 # The next session (30 device minutes; what each earlier one did: bench/gpu/DEVICE_LOG.md):
+# call 0 (no carry, no bundle): `SWEEP_FROM_CHECKOUT=1 SWEEP_SHAPES=1x63,2x63
+# SWEEP_BUDGET_S=120 python3 bench/gpu/attn_sweep.py $OUT/sweep` (stage 2 tries
+# fused_combine: the splits merged by the last one, no combine launch; if it wins, keep
+# attn_tuning.json and export VLLM_DDTREE_ATTN_TUNING to it below, as run 24 did);
 # call 1 (carry .gpu-b1) as above; call 2 (carry .gpu-b2 .whl, after
 # `bash bench/gpu/make_whl.sh`): STAGES="install apply" with VERIFY=0, then
 # `ddtree-patch verify --quick --python python3` from /tmp; then e2e, 3 rounds:
@@ -30,8 +34,9 @@
 #   E2E_ROUNDS="1 2 3" E2E_CONFIGS="chain15async ddtree64autoasync ddtree64autoktasync
 #   ddtree63chainasync" STAGES=e2e   (~45 s per config and round; read with
 #   bench/gpu/e2e_logs.py DIR --fixed ddtree63chainasync, --decode and --estimates)
-# (kt: the choice keeping its step times across cells, as a server does: not measured
-# with run 24's attention table); startup at 1 and 256 (STARTUP_SEQS); on an H200, the
+# (the choice's chain calibration now runs once, 3 steps, not 8: cold cells should be
+# within ~1.5 % of ddtree63chainasync; kt: the choice keeping its step times across
+# cells, as a server does); startup at 1 and 256 (STARTUP_SEQS); on an H200, the
 # tree attention sweep (call 0 of run 24, no bundle: `SWEEP_FROM_CHECKOUT=1
 # SWEEP_SHAPES=1x63,2x63,16x64 SWEEP_BUDGET_S=150 python3 bench/gpu/attn_sweep.py
 # $OUT/sweep`; the built-in table is the H100's).
