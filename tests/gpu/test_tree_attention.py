@@ -82,7 +82,7 @@ def check(case, max_q, dtype, splits=(None, 1, 3), window=None):
         err = (out.float() - ref).abs().max().item()
         assert err <= TOL[dtype], (sp, two, bn, fused, err)
         if fused:
-            assert not any(b.any() for b in ca._counters[str(out.device)])
+            assert not any(b.any() for bufs in ca._counters.values() for b in bufs)
     return out, ref
 
 
@@ -206,7 +206,7 @@ def test_cuda_graph_replay_sees_new_trees(fused):
         err = (out.float() - ref).abs().max().item()
         assert err <= TOL[dtype], (seed, err)
         if fused:
-            assert not any(b.any() for b in ca._counters["cuda:0"])
+            assert not any(b.any() for bufs in ca._counters.values() for b in bufs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, "half"])
@@ -224,3 +224,27 @@ def test_heads_packed_layout_of_032(dtype):
     pk, pv = ca.split_kv(packed, "heads_packed", k.shape[-1])
     assert torch.equal(pk, k) and torch.equal(pv, v)
     check(dict(case, key_cache=pk, value_cache=pv), max_q, dtype, splits=(None,))
+
+
+def test_fused_combine_counters_per_stream_kept_alive():
+    """fused_combine's arrival counters: one zeroed buffer per (device, stream), the same
+    buffer for every launch that fits (a captured graph keeps its address), a bigger
+    one when needed with the smaller kept alive (graphs captured with it)."""
+    ca = payload_module("attention.triton_tree")
+    saved = dict(ca._counters)
+    try:
+        ca._counters.clear()
+        a = ca.counters("cpu", 10)
+        assert a.dtype == torch.int32 and a.numel() >= 10 and not a.any()
+        assert ca.counters(torch.device("cpu"), 100) is a  # fits: the same buffer
+        b = ca.counters("cpu", a.numel() + 1)
+        assert b.numel() > a.numel() and ca._counters[("cpu", 0)] == [a, b]
+        if HAS_CUDA:
+            c = ca.counters("cuda", 10)
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                d = ca.counters("cuda", 10)
+            assert c is not d and len(ca._counters) == 3
+    finally:
+        ca._counters.clear()
+        ca._counters.update(saved)

@@ -298,16 +298,20 @@ if HAS_TRITON:
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
 
 
-_counters: dict[str, list[torch.Tensor]] = {}  # device -> its counter buffers, newest last
+# (device, stream) -> its counter buffers, newest last
+_counters: dict[tuple[str, int], list[torch.Tensor]] = {}
 
 
 def counters(device, n: int) -> torch.Tensor:
     """A zeroed int32 buffer of >= n arrival counters (fused_combine) for the launches
-    on ``device``: one per device, kept zero by the kernel itself (the last program of
-    a group resets its counter), so CUDA graphs replay it as captured.  Launches on a
-    device run one after another (one stream); a bigger one replaces it, and the
-    smaller stays alive for the graphs captured with it."""
-    bufs = _counters.setdefault(str(device), [])
+    on ``device``'s current stream: one per stream (launches on a stream run one after
+    another; two streams, e.g. vLLM's dual-batch overlap, get two), kept zero by the
+    kernel itself (the last program of a group resets its counter), so CUDA graphs
+    replay it as captured.  A bigger one replaces it; the smaller stays alive for the
+    graphs captured with it."""
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    bufs = _counters.setdefault((str(device), stream), [])
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
     return bufs[-1]
