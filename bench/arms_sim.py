@@ -128,9 +128,7 @@ def _cell(lookup, steps, rng, pool, ex, clock, ms_tree, ms_chain, fixed, switch_
         j = torch.tensor([rng.randrange(tree_acc.numel()) for _ in range(reqs)])
         pending.append(lookup[reqs])  # set now, verified in_flight steps later
         k = pending.popleft()
-        nxt = pending[0]
-        if fixed:
-            k = nxt = fixed
+        k = fixed or k
         if k == B:
             ex.draft(vals[j], idx[j], lse[j], slots)
             ex.verified(reqs, slots, walk.output_tokens[j], tree_acc[j], valid)

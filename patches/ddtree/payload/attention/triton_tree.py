@@ -259,7 +259,7 @@ if HAS_TRITON:
                 if arrived == S - 1:
                     tl.debug_barrier()
                     _merge_out(O, PM, PL, PACC, grp * S, m, d, tok, h, row_ok, dm, s_ot,
-                               s_oh, M, DP, S)
+                               s_oh, M, DP, S, True)
                     tl.atomic_xchg(CNT + grp, 0)  # zero again: the next launch / replay
 
     @triton.jit
@@ -276,21 +276,23 @@ if HAS_TRITON:
         qi, h, row_ok, d, dm, tok = row_index(q0, q_len, qb, kvh, G, BLOCK_Q, M, D, DP)
         m = tl.arange(0, M)
         base = ((r.to(tl.int64) * NQB + qb) * NKV + kvh) * S
-        _merge_out(O, PM, PL, PACC, base, m, d, tok, h, row_ok, dm, s_ot, s_oh, M, DP, S)
+        _merge_out(O, PM, PL, PACC, base, m, d, tok, h, row_ok, dm, s_ot, s_oh, M, DP, S,
+                   False)
 
     @triton.jit
     def _merge_out(O, PM, PL, PACC, base, m, d, tok, h, row_ok, dm, s_ot, s_oh,
-                   M: tl.constexpr, DP: tl.constexpr, S: tl.constexpr):
-        """Merge the S partial softmax states from ``base`` on and store the rows
-        (loads bypass L1: in the fused form other programs wrote them)."""
+                   M: tl.constexpr, DP: tl.constexpr, S: tl.constexpr, CG: tl.constexpr):
+        """Merge the S partial softmax states from ``base`` on and store the rows (CG:
+        the loads bypass L1, as in the fused form, where other programs wrote them)."""
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, DP], tl.float32)
+        CACHE: tl.constexpr = ".cg" if CG else ""
         for sp in tl.static_range(S):
-            ms = tl.load(PM + (base + sp) * M + m, cache_modifier=".cg")
-            ls = tl.load(PL + (base + sp) * M + m, cache_modifier=".cg")
+            ms = tl.load(PM + (base + sp) * M + m, cache_modifier=CACHE)
+            ls = tl.load(PL + (base + sp) * M + m, cache_modifier=CACHE)
             accs = tl.load(PACC + ((base + sp) * M + m)[:, None] * DP + d[None, :],
-                           cache_modifier=".cg")
+                           cache_modifier=CACHE)
             m_i, l_i, acc = merge_state(m_i, l_i, acc, ms, ls, accs)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
