@@ -43,7 +43,8 @@ MAX_SPLITS = 8
 # whose bound is >= rows wins; missing fields keep the defaults (block_q = 64 // G query
 # tokens per program, 64-key tiles, automatic key splits, 4 warps, Triton's stages, one
 # key loop; two_loops: the context tiles in a loop of their own, without the tree mask;
-# fused_combine: the key splits merged by the last one to finish, not a second launch).
+# fused_combine: the key splits merged by the last one to finish, not a second launch;
+# combine_warps: the warps of that second launch, 4: at 64 rows a program it spills).
 # VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table, read at the first launch
 # (bench/gpu/attn_sweep.py writes one from measurements).
 TUNING: list[dict] = [  # H100, bench/gpu/attn_sweep.py, run 24 (bench/RESULTS.md)
@@ -324,13 +325,15 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
            block_n: int | None = None, splits: int | None = None, block_q: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None,
            window: int | None = None, two_loops: bool | None = None,
-           maxnreg: int | None = None, fused_combine: bool | None = None) -> torch.Tensor:
+           maxnreg: int | None = None, fused_combine: bool | None = None,
+           combine_warps: int | None = None) -> torch.Tensor:
     """query/output [T, Hq, D] (or [T, Hq*D]); key/value_cache [blocks, block_size,
     Hkv, D]; block_table [R, max_blocks]; seq_lens [R]; query_start_loc [R + 1];
     has_tree [>= R] int32; mask [>= R, rows, rows] int8 (last dim contiguous);
     window: a sliding window W (a row sees keys at positions >= its own - W + 1);
     fused_combine: with key splits, the last split of each query block merges the
-    partial states (no second launch; a zeroed counter per block, left zeroed).
+    partial states (no second launch; a zeroed counter per block, left zeroed);
+    combine_warps: the warps of the separate merge kernel (default 4).
 
     Small batches split the keys over S programs (flash-decoding style) so the GPU is
     filled; S depends on the launch shape only (CUDA-graph safe: each program derives
@@ -385,7 +388,8 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
     if splits > 1 and not fused:
         _combine[(num_reqs, nqb, num_kv_heads)](
             o, query_start_loc, pm, pl, pacc, o.stride(0), o.stride(1), nqb, num_kv_heads,
-            G=g, BLOCK_Q=block_q, M=m, D=d, DP=dp, S=splits, num_warps=4)
+            G=g, BLOCK_Q=block_q, M=m, D=d, DP=dp, S=splits,
+            num_warps=combine_warps or cfg.get("combine_warps") or 4)
     return output
 
 
