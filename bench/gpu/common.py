@@ -164,6 +164,36 @@ def prompts(n: int, length: int, lo: int, hi: int, seed: int = 0) -> list[list[i
     return [torch.randint(lo, hi, (length,), generator=g).tolist() for _ in range(n)]
 
 
+class GcPauses:
+    """Python garbage collections while a block runs (count and ms per generation):
+    run 24's cells had 20-35 ms host stalls in every config; this says whether the
+    collector caused them."""
+
+    def __enter__(self):
+        self.ms = {0: 0.0, 1: 0.0, 2: 0.0}
+        self.count = {0: 0, 1: 0, 2: 0}
+        self._t0 = None
+        gc.callbacks.append(self._cb)
+        return self
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            g = info.get("generation", 2)
+            self.ms[g] += (time.perf_counter() - self._t0) * 1e3
+            self.count[g] += 1
+            self._t0 = None
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._cb)
+        return False
+
+    def summary(self) -> dict:
+        return {"count": [self.count[g] for g in (0, 1, 2)],
+                "ms": [round(self.ms[g], 3) for g in (0, 1, 2)]}
+
+
 def generate(llm, toks: list[list[int]], max_tokens, margins: bool = False):
     """Greedy outputs and seconds; max_tokens: one for all or one per prompt;
     margins=True also returns, per prompt and step, the top-1 minus top-2 logprob

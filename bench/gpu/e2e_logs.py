@@ -13,7 +13,10 @@ estimate / what it realized on its own steps, and the chain arm's (paired) estim
 the chain config's tau in the same cell and round: whether the choice's numbers
 predict what each arm delivers.  --decode: tokens/s of the decode steps alone (the
 cell's step timeline without its first step, the prompt's prefill: run 24 saw that
-step take 21-111 ms in every config, a cell of 256 tokens 0.3-0.9 s long).
+step take 21-111 ms in every config, a cell of 256 tokens 0.3-0.9 s long).  --stalls:
+per config, the decode steps over twice their cell's median step (host stalls: run 24
+had 20-35 ms ones in every config) and the garbage collector's time in the timed run
+(logged from run 25 on).
 """
 
 from __future__ import annotations
@@ -110,6 +113,41 @@ def estimates(folder: Path, chain: str) -> dict:
     return out
 
 
+def stalls(folder: Path) -> dict:
+    """{config: {"cells", "steps", "stalls", "stall_ms", "gc_ms", "gc2"}} summed over
+    cells and rounds: decode steps over 2x their cell's median, the ms they took beyond
+    that median, and the collector's ms / generation-2 collections (cells that log it)."""
+    out: dict = {}
+    for (cfg, _rnd), cells in sorted(cell_docs(folder).items()):
+        r = out.setdefault(cfg, {"cells": 0, "steps": 0, "stalls": 0, "stall_ms": 0.0,
+                                 "gc_ms": None, "gc2": None})
+        for doc in cells.values():
+            ms = [t[3] for t in (doc.get("timeline") or [])[1:] if t[3] is not None]
+            if len(ms) < 3:
+                continue
+            med = statistics.median(ms)
+            big = [m for m in ms if m > 2 * med]
+            r["cells"] += 1
+            r["steps"] += len(ms)
+            r["stalls"] += len(big)
+            r["stall_ms"] += sum(m - med for m in big)
+            g = doc.get("gc")
+            if g:
+                r["gc_ms"] = (r["gc_ms"] or 0.0) + sum(g["ms"])
+                r["gc2"] = (r["gc2"] or 0) + g["count"][2]
+    return out
+
+
+def stalls_table(st: dict) -> str:
+    lines = ["| config | cells | decode steps | steps > 2x the cell median | their ms beyond "
+             "it | GC ms (gen-2 collections) |", "|---|---:|---:|---:|---:|---|"]
+    for cfg, r in sorted(st.items()):
+        gc_ = "-" if r["gc_ms"] is None else f"{r['gc_ms']:.1f} ({r['gc2']})"
+        lines.append(f"| {cfg} | {r['cells']} | {r['steps']} | {r['stalls']} | "
+                     f"{r['stall_ms']:.1f} | {gc_} |")
+    return "\n".join(lines)
+
+
 def estimates_table(est: dict, chain: str) -> str:
     lines = ["| config | cell | tree: estimate / realized (its steps) | chain: paired "
              f"estimate / {chain}'s tau |", "|---|---|---|---|"]
@@ -159,11 +197,16 @@ def main(argv=None) -> int:
                     help="the choice's estimates against what each arm realized")
     ap.add_argument("--decode", action="store_true",
                     help="tokens/s of the decode steps alone (without the prefill step)")
+    ap.add_argument("--stalls", action="store_true",
+                    help="long decode steps and the garbage collector's time per config")
     args = ap.parse_args(argv)
     data = read(args.folder, args.decode)
     if not data:
         print(f"e2e_logs: no e2e_r<round>_<config>.txt lines in {args.folder}", file=sys.stderr)
         return 2
+    if args.stalls:
+        print(stalls_table(stalls(args.folder)))
+        return 0
     if args.estimates:
         est = estimates(args.folder, args.chain)
         if not est:

@@ -605,7 +605,8 @@ def run_config(name, out_dir, res):
             C.generate(llm, C.prompts(n, PROMPT, 1000, 100000, seed=900 + n),
                        [8 + 4 * i for i in range(n)])
             hooks.reset()
-            outs, dt = C.generate(llm, toks, E2E_NEW)
+            with C.GcPauses() as gcp:
+                outs, dt = C.generate(llm, toks, E2E_NEW)
             # decode steps (no prompt chunk: <= 1 + B rows per request); request-steps
             dec = [s for s in hooks.steps if s["reqs"] and s["tokens"] <= s["reqs"] * verify]
             steps = len(dec)
@@ -624,6 +625,7 @@ def run_config(name, out_dir, res):
                  "mismatches_vs_pi_chain": bad}
             e["phases_ms"] = hooks.phase_medians(dec)
             e["timeline"] = hooks.timeline()
+            e["gc"] = gcp.summary()  # collections during the timed run, per generation
             arms = C.arms_of(llm)
             if arms is not None:  # what the controller measured and chose (warm-up too)
                 e["arms"] = {str(k): v for k, v in arms.summary().items()}

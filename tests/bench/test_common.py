@@ -235,3 +235,16 @@ def test_synthetic_v2_keeps_what_each_step_drafts(monkeypatch):
     sb.use_synthetic_v2(runner, "ddtree", synth)  # a second profile wraps the original
     spec.build_trees(one, store=False)
     assert spec.calls[-1] == (False, None) and len(spec.calls) == 5
+
+
+def test_gc_pauses_counts_the_collections_inside_its_block():
+    import gc
+
+    C = _common()
+    with C.GcPauses() as g:
+        gc.collect()  # a full collection: generation 2
+    after = len(gc.callbacks)
+    s = g.summary()
+    assert s["count"][2] >= 1 and s["ms"][2] >= 0.0
+    gc.collect()  # outside the block: not counted, and the callback is gone
+    assert g.summary() == s and g._cb not in gc.callbacks and after == len(gc.callbacks)

@@ -99,3 +99,23 @@ def test_decode_table_reads_the_timelines(tmp_path, capsys):
             f"22:18:24 {cfg} e2e p60 N 1 {json.dumps(doc)}\n")
     assert m.main([str(tmp_path), "--decode"]) == 0
     assert "| p60 N 1 | 1000.00 | 1.250 (1.250-1.250, 1) |" in capsys.readouterr().out
+
+
+def test_stalls_count_long_steps_and_the_collectors_time(tmp_path, capsys):
+    """--stalls: decode steps over 2x their cell's median (the prefill step left out),
+    the ms beyond that median, and the GC time where a cell logs it."""
+    m = load()
+    tl = [[1, 16, None, 40.0]] + [[1, 16, 15, 9.0]] * 8 + [[1, 16, 15, 30.0], [1, 16, 15, None]]
+    doc = {"tok_per_s": 100.0, "timeline": tl, "gc": {"count": [5, 1, 1], "ms": [0.5, 1.0, 20.0]}}
+    (tmp_path / "e2e_r1_auto.txt").write_text(f"22:18:24 auto e2e p60 N 1 {json.dumps(doc)}\n")
+    del doc["gc"]
+    (tmp_path / "e2e_r1_chain15async.txt").write_text(
+        f"22:18:24 chain15async e2e p60 N 1 {json.dumps(doc)}\n")
+    st = m.stalls(tmp_path)
+    assert st["auto"] == {"cells": 1, "steps": 9, "stalls": 1, "stall_ms": 21.0,
+                          "gc_ms": 21.5, "gc2": 1}
+    assert st["chain15async"]["gc_ms"] is None and st["chain15async"]["stalls"] == 1
+    assert m.main([str(tmp_path), "--stalls"]) == 0
+    out = capsys.readouterr().out
+    assert "| auto | 1 | 9 | 1 | 21.0 | 21.5 (1) |" in out
+    assert "| chain15async | 1 | 9 | 1 | 21.0 | - |" in out
