@@ -59,6 +59,10 @@ def main():
         SHAPES = [(1, 8), (2, 8)]
         BUCKETS = [(16, SHAPES)]
         STAGE1 = STAGE1[:3]
+    if os.environ.get("SWEEP_STAGE1") == "table":  # stage 1 = the built-in table's
+        # configs: stage 2 (around them) fits a short device call
+        STAGE1 = [dict(t) for t in {tuple((k, v) for k, v in sorted(e.items()) if k != "max_rows")
+                                    for e in ca.TUNING}]
     if os.environ.get("SWEEP_SHAPES"):  # e.g. "4x64,16x64"
         SHAPES = [tuple(int(v) for v in x.split("x")) for x in os.environ["SWEEP_SHAPES"].split(",")]
     t0 = time.time()

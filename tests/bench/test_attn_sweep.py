@@ -19,6 +19,16 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def tuning_table() -> list[dict]:
+    """The built-in TUNING, read from the source (importing it would load triton)."""
+    import ast
+
+    src = (ROOT / "patches/ddtree/payload/attention/triton_tree.py").read_text()
+    node = next(n for n in ast.parse(src).body if isinstance(n, ast.AnnAssign)
+                and getattr(n.target, "id", None) == "TUNING")
+    return ast.literal_eval(node.value)
+
+
 def layout(tmp: Path) -> Path:
     """tmp/site: vllm/v1/spec_decode/ddtree -> the payload; ddtree_patcher with its
     patches (the reference the sweep checks against)."""
@@ -36,10 +46,15 @@ def layout(tmp: Path) -> Path:
     return site
 
 
-@pytest.mark.parametrize("shapes,checkout", [(None, False), ("1x8", False), ("1x8", True)])
-def test_the_sweep_runs_and_tunes_what_it_measured(tmp_path, shapes, checkout):
-    """checkout: SWEEP_FROM_CHECKOUT (no vLLM layout on the path: this checkout's payload)."""
+@pytest.mark.parametrize("shapes,checkout,stage1", [(None, False, None), ("1x8", False, None),
+                                                     ("1x8", True, None), ("1x8", True, "table")])
+def test_the_sweep_runs_and_tunes_what_it_measured(tmp_path, shapes, checkout, stage1):
+    """checkout: SWEEP_FROM_CHECKOUT (no vLLM layout on the path: this checkout's payload);
+    stage1 'table': stage 1 is the built-in table's configs (a short device call)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "SWEEP_SMOKE": "1"}
+    env.pop("SWEEP_STAGE1", None)
+    if stage1:
+        env["SWEEP_STAGE1"] = stage1
     if checkout:
         env["SWEEP_FROM_CHECKOUT"] = "1"
         env.pop("PYTHONPATH", None)
@@ -56,6 +71,11 @@ def test_the_sweep_runs_and_tunes_what_it_measured(tmp_path, shapes, checkout):
     measured = {(r["N"], r["B"]) for r in runs["runs"]}
     assert measured == ({(1, 8)} if shapes else {(1, 8), (2, 8)})
     assert all(r["error"] is None and r["us"] > 0 for r in runs["runs"])
+    if stage1 == "table":  # stage 1 ran the built-in table's distinct configs, no others
+        table_cfgs = {(e["block_q"], e["block_n"], e["splits"]) for e in tuning_table()}
+        assert {(r["block_q"], r["block_n"], r["splits"]) for r in runs["runs"]
+                if r["stage"] == "1"} == table_cfgs
+        assert any(r["stage"] == "2" and r.get("fused_combine") for r in runs["runs"])
     # the smoke bucket (16 rows) is tuned on the shapes that ran, the rest kept
     table = json.loads((out / "attn_tuning.json").read_text())
     assert [t["max_rows"] for t in table][0] == 16
