@@ -112,6 +112,20 @@ def attention_resources(arch: int, c: dict) -> dict:
                      options=opts)
 
 
+def combine_resources(arch: int, block_q: int, splits: int, warps: int = 4,
+                      rows: int | None = None) -> dict:
+    """Compile the separate merge kernel (``_combine``) of a split launch: block_q query
+    tokens x G = 4 heads a block, ``rows`` of them a program (default all), with the JIT's
+    marks (without them ptxas spills where the engine's launch does not)."""
+    fn = ta._combine
+    m = max(16, triton.next_power_of_2(block_q * 4))
+    consts = dict(G=4, BLOCK_Q=block_q, M=m, D=128, DP=128, S=splits, MC=min(m, rows or m))
+    sig = {n: "constexpr" if n in consts else ATTN_PTRS.get(n, "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n in fn.arg_names if n in ATTN_PTRS or n in ATTN_DIV16}
+    return resources(fn, consts, arch, warps, sig=sig, attrs=attrs)
+
+
 def attention_rows(arch: int) -> list[dict]:
     """Each bucket of the built-in launch table, with one key loop and with two."""
     out = []
@@ -125,6 +139,13 @@ def attention_rows(arch: int) -> list[dict]:
                         "inputs": f"bq{c['block_q']} bn{c['block_n']} s{c['splits']}"
                                   f"{' 2loop' if two else ''}",
                         "chunk": c["block_n"], "warps": c.get("num_warps", 4), **r})
+        if c["splits"] > 1:  # its merge launch, as in the table and one block in 4 pieces
+            w = t.get("combine_warps", 4)
+            for mr in (t.get("combine_rows"), 16):
+                r = combine_resources(arch, c["block_q"], c["splits"], w, mr)
+                out.append({"kernel": "combine", "rows": t["max_rows"],
+                            "inputs": f"bq{c['block_q']} s{c['splits']} rows{mr or 'all'}",
+                            "chunk": mr or c["block_q"] * 4, "warps": w, **r})
     return out
 
 

@@ -26,12 +26,13 @@ BUCKETS = [(96, [(1, 63), (1, 16)]), (512, [(2, 63), (4, 64), (1, 256)]), (2048,
 # around the two best: warps / software-pipeline depth (5+: loads two tiles ahead), a
 # register cap (more programs per SM), the one-loop kernel (what two_loops saves) and the
 # splits merged by the last one (fused_combine: no second launch) or by an 8-warp
-# combine (combine_warps: at 64 rows a program the 4-warp one spills, sm_90 compile)
+# combine (combine_warps: at 64 rows a program the 4-warp one spills, sm_90 compile) or
+# one of 16 rows a program (combine_rows: 4x the programs, no spill)
 STAGE1 = [dict(block_q=bq, block_n=bn, splits=s, two_loops=True)
           for bq, bn, s in itertools.product((4, 8, 16), (16, 32, 64), (1, 2, 4, 8))]
 STAGE2 = [dict(num_warps=w, num_stages=st) for w, st in ((4, 2), (4, 5), (4, 6), (8, 3), (8, 5))] \
     + [dict(maxnreg=128), dict(maxnreg=168), dict(two_loops=False), dict(fused_combine=True),
-       dict(combine_warps=8)]
+       dict(combine_warps=8), dict(combine_rows=16), dict(combine_rows=16, combine_warps=2)]
 
 
 def main():
@@ -155,7 +156,7 @@ def main():
             for cfg in grid:
                 run(n, b, cfg, stage)
     keys = ("block_q", "block_n", "splits", "two_loops", "num_warps", "num_stages", "maxnreg",
-            "fused_combine", "combine_warps")
+            "fused_combine", "combine_warps", "combine_rows")
 
     def score(cfg, shapes):  # sum of time / best time per shape (None: unusable)
         tot = 0.0

@@ -25,7 +25,7 @@
 # call 0 (no carry, no bundle): `SWEEP_FROM_CHECKOUT=1 SWEEP_SHAPES=1x63,2x63
 # SWEEP_BUDGET_S=120 python3 bench/gpu/attn_sweep.py $OUT/sweep` (stage 2 tries
 # fused_combine: the splits merged by the last one, no combine launch, and combine_warps
-# 8: the 4-warp merge spills at 64 rows, RESULTS run 24; if one wins, keep
+# 8, combine_rows 16: the merge ran 32 programs at 1 request, RESULTS run 24; if one wins, keep
 # attn_tuning.json and export VLLM_DDTREE_ATTN_TUNING to it below, as run 24 did);
 # call 1 (carry .gpu-b1) as above; call 2 (carry .gpu-b2 .whl, after
 # `bash bench/gpu/make_whl.sh`): STAGES="install apply" with VERIFY=0, then

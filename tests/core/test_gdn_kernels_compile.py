@@ -34,8 +34,13 @@ def test_gdn_kernels_compile(arch):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"verify", "conv", "commit", "conv_commit", "tree_attn"}
+    assert kernels == {"verify", "conv", "commit", "conv_commit", "tree_attn", "combine"}
     assert {r["rows"] for r in rows if r["kernel"] == "verify"} == {17, 65, 257}
+    # the split buckets' merge launch, whole blocks and 16 rows a program, no spill
+    # (compiled with the JIT's alignment marks, as launched)
+    merges = [r for r in rows if r["kernel"] == "combine"]
+    assert merges and {r["chunk"] for r in merges} >= {16}
+    assert all(r["spill_stores"] in (0, None) for r in merges), merges
     for r in rows:  # ptxas ran on every kernel and said what it used
         assert isinstance(r["registers"], int) and r["registers"] > 0, r
 

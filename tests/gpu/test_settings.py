@@ -226,6 +226,7 @@ def test_structured_outputs_refused_on_0_20(monkeypatch):
     ('[{"max_rows": 96, "num_warps": true}]', "num_warps must be an integer"),
     ('[{"max_rows": 96, "two_loops": 1}]', "two_loops must be true or false"),
     ('[{"max_rows": 96, "combine_warps": 6}]', "combine_warps must be a power of two"),
+    ('[{"max_rows": 96, "combine_rows": 24}]', "combine_rows must be a power of two"),
 ])
 def test_a_bad_launch_table_is_a_configuration_error(monkeypatch, tmp_path, text, match):
     f = tmp_path / "t.json"
@@ -244,7 +245,8 @@ def test_a_missing_launch_table_is_a_configuration_error(monkeypatch, tmp_path):
 
 def test_a_good_launch_table_is_what_the_kernel_reads(monkeypatch, tmp_path):
     table = [{"max_rows": 96, "block_q": 8, "block_n": 16, "splits": 4, "two_loops": True,
-              "num_stages": 5, "maxnreg": 168, "fused_combine": True, "combine_warps": 8},
+              "num_stages": 5, "maxnreg": 168, "fused_combine": True, "combine_warps": 8,
+              "combine_rows": 16},
              {"max_rows": 4096}]
     f = tmp_path / "t.json"
     f.write_text(__import__("json").dumps(table))

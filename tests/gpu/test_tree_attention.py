@@ -67,17 +67,20 @@ def check(case, max_q, dtype, splits=(None, 1, 3), window=None):
     # auto, one program per query block, keys split over 3; one key loop or two (the
     # context's own; 4-key tiles put the context / tree boundary inside tiles and splits);
     # the splits merged by a second launch or by the last split (fused, twice: the
-    # counters must be left at zero for the next launch)
-    runs = [(sp, two, None, False) for sp in splits for two in (False, True)] + \
-        [(1, True, 8, False), (3, True, 4, False), (3, False, None, True),
-         (3, True, 4, True), (3, True, 4, True)]
-    for i, (sp, two, bn, fused) in enumerate(runs):
+    # counters must be left at zero for the next launch); the second launch's programs
+    # over slices of a block's rows (combine_rows 16 and 1)
+    runs = [(sp, two, None, False, None) for sp in splits for two in (False, True)] + \
+        [(1, True, 8, False, None), (3, True, 4, False, None), (3, False, None, True, None),
+         (3, True, 4, True, None), (3, True, 4, True, None), (3, True, None, False, 16),
+         (3, True, None, False, 1)]
+    for i, (sp, two, bn, fused, rows) in enumerate(runs):
         out = torch.full_like(case["query"], float("nan"))
         ca.launch(case["query"], case["key_cache"], case["value_cache"], out,
                   case["block_table"], case["seq_lens"], case["query_start_loc"],
                   case["has_tree"], case["mask"], case["scale"], max_q,
                   case["num_kv_heads"], splits=sp, window=window, two_loops=two, block_n=bn,
-                  fused_combine=fused, combine_warps=8 if i % 2 else None)
+                  fused_combine=fused, combine_warps=8 if i % 2 else None,
+                  combine_rows=rows)
         assert not torch.isnan(out).any()
         err = (out.float() - ref).abs().max().item()
         assert err <= TOL[dtype], (sp, two, bn, fused, err)

@@ -73,8 +73,9 @@ def attn_tuning() -> str | None:
 
 # the tree-attention launch table's keys (attention/triton_tree.py): ints >= 1, or yes/no
 TUNING_INTS = ("max_rows", "block_q", "block_n", "splits", "num_warps", "num_stages",
-               "maxnreg", "combine_warps")
-TUNING_POW2 = ("block_n", "num_warps", "combine_warps")  # Triton tile / warp counts
+               "maxnreg", "combine_warps", "combine_rows")
+# Triton tile / warp counts
+TUNING_POW2 = ("block_n", "num_warps", "combine_warps", "combine_rows")
 TUNING_FLAGS = ("two_loops", "fused_combine")
 
 

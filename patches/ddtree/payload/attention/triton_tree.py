@@ -44,7 +44,8 @@ MAX_SPLITS = 8
 # tokens per program, 64-key tiles, automatic key splits, 4 warps, Triton's stages, one
 # key loop; two_loops: the context tiles in a loop of their own, without the tree mask;
 # fused_combine: the key splits merged by the last one to finish, not a second launch;
-# combine_warps: the warps of that second launch, 4: at 64 rows a program it spills).
+# combine_warps / combine_rows: the warps of that second launch (4) and the rows one of
+# its programs merges (default: a whole query block; at 1 request that is 32 programs).
 # VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table, read at the first launch
 # (bench/gpu/attn_sweep.py writes one from measurements).
 TUNING: list[dict] = [  # H100, bench/gpu/attn_sweep.py, run 24 (bench/RESULTS.md)
@@ -260,39 +261,47 @@ if HAS_TRITON:
                 if arrived == S - 1:
                     tl.debug_barrier()
                     _merge_out(O, PM, PL, PACC, grp * S, m, d, tok, h, row_ok, dm, s_ot,
-                               s_oh, M, DP, S, True)
+                               s_oh, M, DP, S, True, M)
                     tl.atomic_xchg(CNT + grp, 0)  # zero again: the next launch / replay
 
     @triton.jit
     def _combine(O, QSL, PM, PL, PACC, s_ot, s_oh, NQB, NKV,
                  G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-                 DP: tl.constexpr, S: tl.constexpr):
+                 DP: tl.constexpr, S: tl.constexpr, MC: tl.constexpr):
+        # one program merges MC of a query block's M rows (MC = M: the whole block)
         r = tl.program_id(0)
-        qb = tl.program_id(1)
+        qb = tl.program_id(1) // (M // MC)
+        m = (tl.program_id(1) % (M // MC)) * MC + tl.arange(0, MC)
         kvh = tl.program_id(2)
         q0 = tl.load(QSL + r)
         q_len = tl.load(QSL + r + 1) - q0
         if qb * BLOCK_Q >= q_len:
             return
-        qi, h, row_ok, d, dm, tok = row_index(q0, q_len, qb, kvh, G, BLOCK_Q, M, D, DP)
-        m = tl.arange(0, M)
+        qi = qb * BLOCK_Q + m // G  # row_index's rows, for this slice of them
+        h = kvh * G + m % G
+        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
+        d = tl.arange(0, DP)
+        dm = d < D
+        tok = (q0 + qi).to(tl.int64)
         base = ((r.to(tl.int64) * NQB + qb) * NKV + kvh) * S
-        _merge_out(O, PM, PL, PACC, base, m, d, tok, h, row_ok, dm, s_ot, s_oh, M, DP, S,
-                   False)
+        _merge_out(O, PM, PL, PACC, base, m, d, tok, h, row_ok, dm, s_ot, s_oh, MC, DP, S,
+                   False, M)
 
     @triton.jit
     def _merge_out(O, PM, PL, PACC, base, m, d, tok, h, row_ok, dm, s_ot, s_oh,
-                   M: tl.constexpr, DP: tl.constexpr, S: tl.constexpr, CG: tl.constexpr):
-        """Merge the S partial softmax states from ``base`` on and store the rows (CG:
-        the loads bypass L1, as in the fused form, where other programs wrote them)."""
+                   M: tl.constexpr, DP: tl.constexpr, S: tl.constexpr, CG: tl.constexpr,
+                   MS: tl.constexpr):
+        """Merge the S partial softmax states from ``base`` on and store the rows: M rows
+        ``m`` of the MS a partial state holds (CG: the loads bypass L1, as in the fused
+        form, where other programs wrote them)."""
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, DP], tl.float32)
         CACHE: tl.constexpr = ".cg" if CG else ""
         for sp in tl.static_range(S):
-            ms = tl.load(PM + (base + sp) * M + m, cache_modifier=CACHE)
-            ls = tl.load(PL + (base + sp) * M + m, cache_modifier=CACHE)
-            accs = tl.load(PACC + ((base + sp) * M + m)[:, None] * DP + d[None, :],
+            ms = tl.load(PM + (base + sp) * MS + m, cache_modifier=CACHE)
+            ls = tl.load(PL + (base + sp) * MS + m, cache_modifier=CACHE)
+            accs = tl.load(PACC + ((base + sp) * MS + m)[:, None] * DP + d[None, :],
                            cache_modifier=CACHE)
             m_i, l_i, acc = merge_state(m_i, l_i, acc, ms, ls, accs)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -326,14 +335,15 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
            num_warps: int | None = None, num_stages: int | None = None,
            window: int | None = None, two_loops: bool | None = None,
            maxnreg: int | None = None, fused_combine: bool | None = None,
-           combine_warps: int | None = None) -> torch.Tensor:
+           combine_warps: int | None = None, combine_rows: int | None = None) -> torch.Tensor:
     """query/output [T, Hq, D] (or [T, Hq*D]); key/value_cache [blocks, block_size,
     Hkv, D]; block_table [R, max_blocks]; seq_lens [R]; query_start_loc [R + 1];
     has_tree [>= R] int32; mask [>= R, rows, rows] int8 (last dim contiguous);
     window: a sliding window W (a row sees keys at positions >= its own - W + 1);
     fused_combine: with key splits, the last split of each query block merges the
     partial states (no second launch; a zeroed counter per block, left zeroed);
-    combine_warps: the warps of the separate merge kernel (default 4).
+    combine_warps: the warps of the separate merge kernel (default 4); combine_rows: the
+    rows one merge program takes (a power of two <= the block's rows; default all).
 
     Small batches split the keys over S programs (flash-decoding style) so the GPU is
     filled; S depends on the launch shape only (CUDA-graph safe: each program derives
@@ -386,9 +396,10 @@ def launch(query, key_cache, value_cache, output, block_table, seq_lens, query_s
         RP=max(2, next_pow2(mask.shape[2])), WINDOW=window is not None,
         TWO_LOOPS=bool(two_loops), FUSED=fused, num_warps=num_warps, **extra)
     if splits > 1 and not fused:
-        _combine[(num_reqs, nqb, num_kv_heads)](
+        mc = min(m, combine_rows or cfg.get("combine_rows") or m)
+        _combine[(num_reqs, nqb * (m // mc), num_kv_heads)](
             o, query_start_loc, pm, pl, pacc, o.stride(0), o.stride(1), nqb, num_kv_heads,
-            G=g, BLOCK_Q=block_q, M=m, D=d, DP=dp, S=splits,
+            G=g, BLOCK_Q=block_q, M=m, D=d, DP=dp, S=splits, MC=mc,
             num_warps=combine_warps or cfg.get("combine_warps") or 4)
     return output
 
