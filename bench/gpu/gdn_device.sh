@@ -22,25 +22,21 @@
 # the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
 # give the first engine stage that time (run 14's eq and step calls timed out on it).
 # The next session (30 device minutes; what each earlier one did: bench/gpu/DEVICE_LOG.md):
-# call 0 (no carry, no bundle): `SWEEP_FROM_CHECKOUT=1 SWEEP_SHAPES=1x63,2x63
-# SWEEP_BUDGET_S=120 python3 bench/gpu/attn_sweep.py $OUT/sweep` (stage 2 tries
-# fused_combine: the splits merged by the last one, no combine launch, and combine_warps
-# 8, combine_rows 16: the merge ran 32 programs at 1 request, RESULTS run 24; if one wins, keep
-# attn_tuning.json and export VLLM_DDTREE_ATTN_TUNING to it below, as run 24 did);
+# call 0 (no carry, no bundle; on an H200 especially): `SWEEP_FROM_CHECKOUT=1
+# SWEEP_STAGE1=table SWEEP_SHAPES=1x63,2x63 SWEEP_BUDGET_S=80 python3
+# bench/gpu/attn_sweep.py $OUT/sweep` (stage 2 around the built-in table; if one wins,
+# keep attn_tuning.json and export VLLM_DDTREE_ATTN_TUNING to it below, as runs 24-25 did);
 # call 1 (carry .gpu-b1) as above; call 2 (carry .gpu-b2 .whl, after
-# `bash bench/gpu/make_whl.sh`): STAGES="install apply" with VERIFY=0, then
-# `ddtree-patch verify --quick --python python3` from /tmp; then e2e, 3 rounds:
+# `bash bench/gpu/make_whl.sh`): STAGES="install apply" with VERIFY=0, then kprof
+# (KPROF_BATCHES=1,2 KPROF_CONFIGS="chain15async ddtree63chainasync", ~85 s: the step by
+# kernel with run 25's table), fp32ieee (~210 s: combine_rows at fp32 in an engine);
+# then e2e, rounds 3 (and more):
 #   E2E_SHAPE=qwen3_8b BENCH_E2E_NEW=256 E2E_BATCHES=1,2,4 E2E_STEP=1,2
 #   BENCH_PROFILES=p60,p80,p90,real BENCH_REAL_PROFILE=bench/gpu/profiles/realpair_h100_1.json
-#   E2E_ROUNDS="1 2 3" E2E_CONFIGS="chain15async ddtree64autoasync ddtree64autoktasync
-#   ddtree63chainasync" STAGES=e2e   (~45 s per config and round; read with
-#   bench/gpu/e2e_logs.py DIR --fixed ddtree63chainasync, --decode and --estimates)
-# (the choice's chain calibration now runs once, 3 steps, not 8: cold cells should be
-# within ~1.5 % of ddtree63chainasync; kt: the choice keeping its step times across
-# cells, as a server does); startup at 1 and 256 (STARTUP_SEQS); on an H200, the
-# tree attention sweep (call 0 of run 24, no bundle: `SWEEP_FROM_CHECKOUT=1
-# SWEEP_SHAPES=1x63,2x63,16x64 SWEEP_BUDGET_S=150 python3 bench/gpu/attn_sweep.py
-# $OUT/sweep`; the built-in table is the H100's).
+#   E2E_ROUNDS="3" E2E_CONFIGS="chain15async ddtree64autoasync ddtree63chainasync
+#   ddtree64autoktasync" STAGES=e2e   (~55 s per config and round; read with
+#   bench/gpu/e2e_logs.py DIR --fixed ddtree63chainasync, --decode, --estimates, --stalls);
+# startup at 1 and 256 (STARTUP_SEQS).  A call's tail: tar $OUT into one file (12+ logs).
 # The device returns at most 8 files a call: tar $OUT into one.
 set -u
 OUT=${OUT:-/tmp/out}

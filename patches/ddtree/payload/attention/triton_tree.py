@@ -48,9 +48,11 @@ MAX_SPLITS = 8
 # its programs merges (default: a whole query block; at 1 request that is 32 programs).
 # VLLM_DDTREE_ATTN_TUNING=<json file> replaces the table, read at the first launch
 # (bench/gpu/attn_sweep.py writes one from measurements).
-TUNING: list[dict] = [  # H100, bench/gpu/attn_sweep.py, run 24 (bench/RESULTS.md)
-    {"max_rows": 96, "block_q": 16, "block_n": 32, "splits": 4, "two_loops": True},
-    {"max_rows": 512, "block_q": 16, "block_n": 32, "splits": 4, "two_loops": True},
+TUNING: list[dict] = [  # H100, bench/gpu/attn_sweep.py, runs 24-25 (bench/RESULTS.md)
+    {"max_rows": 96, "block_q": 16, "block_n": 32, "splits": 4, "two_loops": True,
+     "num_warps": 8, "num_stages": 3},
+    {"max_rows": 512, "block_q": 16, "block_n": 32, "splits": 4, "two_loops": True,
+     "combine_rows": 16},
     {"max_rows": 2048, "block_q": 16, "block_n": 32, "splits": 1, "two_loops": True},
 ]
 _loaded: dict[str, list] = {}  # tuning file -> its table
