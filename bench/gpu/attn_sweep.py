@@ -26,8 +26,8 @@ BUCKETS = [(96, [(1, 63), (1, 16)]), (512, [(2, 63), (4, 64), (1, 256)]), (2048,
 # around the two best: warps / software-pipeline depth (5+: loads two tiles ahead), a
 # register cap (more programs per SM), the one-loop kernel (what two_loops saves) and the
 # splits merged by the last one (fused_combine: no second launch) or by an 8-warp
-# combine (combine_warps: at 64 rows a program the 4-warp one spills, sm_90 compile) or
-# one of 16 rows a program (combine_rows: 4x the programs, no spill)
+# combine (combine_warps) or one of 16 rows a program (combine_rows: 4x the programs;
+# run 25: the fused merge lost, 16-row programs won)
 STAGE1 = [dict(block_q=bq, block_n=bn, splits=s, two_loops=True)
           for bq, bn, s in itertools.product((4, 8, 16), (16, 32, 64), (1, 2, 4, 8))]
 STAGE2 = [dict(num_warps=w, num_stages=st) for w, st in ((4, 2), (4, 5), (4, 6), (8, 3), (8, 5))] \
