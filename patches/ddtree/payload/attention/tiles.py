@@ -61,7 +61,12 @@ if HAS_TRITON:
         """A program's M rows: BLOCK_Q query tokens x the G query heads of KV head kvh
         (GQA packed like unified_attention): token index qi, head h, validity, the
         head-dim lanes, the token rows."""
-        m = tl.arange(0, M)
+        return rows_at(tl.arange(0, M), q0, q_len, qb, kvh, G, BLOCK_Q, D, DP)
+
+    @triton.jit
+    def rows_at(m, q0, q_len, qb, kvh, G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                D: tl.constexpr, DP: tl.constexpr):
+        """row_index for the rows ``m`` of a block (a slice of them: the merge kernel)."""
         qi = qb * BLOCK_Q + m // G
         h = kvh * G + m % G
         row_ok = (m < BLOCK_Q * G) & (qi < q_len)

@@ -88,7 +88,7 @@ class TreeState:
 
 
 if HAS_TRITON:
-    from .tiles import (merge_state, online_update, query_rows, row_index, tile_scores,
+    from .tiles import (merge_state, online_update, query_rows, row_index, rows_at, tile_scores,
                         tree_depth)
 
     @triton.jit
@@ -279,12 +279,7 @@ if HAS_TRITON:
         q_len = tl.load(QSL + r + 1) - q0
         if qb * BLOCK_Q >= q_len:
             return
-        qi = qb * BLOCK_Q + m // G  # row_index's rows, for this slice of them
-        h = kvh * G + m % G
-        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
-        d = tl.arange(0, DP)
-        dm = d < D
-        tok = (q0 + qi).to(tl.int64)
+        qi, h, row_ok, d, dm, tok = rows_at(m, q0, q_len, qb, kvh, G, BLOCK_Q, D, DP)
         base = ((r.to(tl.int64) * NQB + qb) * NKV + kvh) * S
         _merge_out(O, PM, PL, PACC, base, m, d, tok, h, row_ok, dm, s_ot, s_oh, MC, DP, S,
                    False, M)
