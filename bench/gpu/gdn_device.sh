@@ -27,16 +27,16 @@
 # bench/gpu/attn_sweep.py $OUT/sweep` (stage 2 around the built-in table; if one wins,
 # keep attn_tuning.json and export VLLM_DDTREE_ATTN_TUNING to it below, as runs 24-25 did);
 # call 1 (carry .gpu-b1) as above; call 2 (carry .gpu-b2 .whl, after
-# `bash bench/gpu/make_whl.sh`): STAGES="install apply" with VERIFY=0, then kprof
-# (KPROF_BATCHES=1,2 KPROF_CONFIGS="chain15async ddtree63chainasync", ~85 s: the step by
-# kernel with run 25's table), fp32ieee (~210 s: combine_rows at fp32 in an engine);
-# then e2e, rounds 3 (and more):
+# `bash bench/gpu/make_whl.sh`): STAGES="install apply" with VERIFY=0, then e2e rounds
+# (run 26: 3 rounds of 4 configs in ~700 s, one round a call after the first):
 #   E2E_SHAPE=qwen3_8b BENCH_E2E_NEW=256 E2E_BATCHES=1,2,4 E2E_STEP=1,2
 #   BENCH_PROFILES=p60,p80,p90,real BENCH_REAL_PROFILE=bench/gpu/profiles/realpair_h100_1.json
-#   E2E_ROUNDS="3" E2E_CONFIGS="chain15async ddtree64autoasync ddtree63chainasync
+#   E2E_ROUNDS="1" E2E_CONFIGS="chain15async ddtree64autoasync ddtree63chainasync
 #   ddtree64autoktasync" STAGES=e2e   (~55 s per config and round; read with
 #   bench/gpu/e2e_logs.py DIR --fixed ddtree63chainasync, --decode, --estimates, --stalls);
-# startup at 1 and 256 (STARTUP_SEQS).  A call's tail: tar $OUT into one file (12+ logs).
+# kprof (KPROF_BATCHES=1,2 KPROF_CONFIGS="chain15async ddtree63chainasync", ~165 s),
+# fp32ieee after any kernel change (~265 s); startup with
+# STARTUP_CONFIGS=ddtree64autoasync,chain15async (run 26 ran the chain first each call).
 # The device returns at most 8 files a call: tar $OUT into one.
 set -u
 OUT=${OUT:-/tmp/out}
