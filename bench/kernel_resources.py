@@ -8,7 +8,8 @@ spills: a compile error or a spill regression shows here before a device session
 Rows: the verify at its default launch (bf16 inputs: 16-bit dots; fp32: tf32x3) for
 17 / 65 / 257 rows, with a float32 state, with float32 inputs, and the conv, commit and
 conv-commit kernels; the tree attention kernel at each bucket of its launch table, one
-key loop and two.  Exit 0 when every kernel compiled.  tests/core/test_gdn_kernels_compile.py
+key loop and two; the drafter's top-K select (one program a row, and the split path's
+three kernels) and the target argmax's two, at the 8B shape (V = 151,936, K = 64).  Exit 0 when every kernel compiled.  tests/core/test_gdn_kernels_compile.py
 runs it for sm_80 and sm_90.  ``--attn-grid NxB``: the tree attention launch model instead.
 """
 
@@ -32,6 +33,13 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ddtree_patcher.patches.ddtree.payload.core import gdn_triton as gk  # noqa: E402
 from ddtree_patcher.patches.ddtree.payload.attention import triton_tree as ta  # noqa: E402
+import importlib  # noqa: E402
+
+# (the core package's names vocab_topk / row_argmax are its functions: the modules here)
+_CORE = "ddtree_patcher.patches.ddtree.payload.core."
+vt = importlib.import_module(_CORE + "vocab_topk")
+vs = importlib.import_module(_CORE + "vocab_topk_split")
+am = importlib.import_module(_CORE + "row_argmax")
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 BF16 = ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "h_ptr", "o_ptr", "x_ptr", "y_ptr",
@@ -195,7 +203,33 @@ def rows(arch: int) -> list[dict]:
                                                  PREC="tf32x3")),
             ("conv_commit", gk._conv_commit_kernel, dict(L1=16, W=4, WP=4, BC=128))):
         out.append({"kernel": name, **resources(fn, consts, arch)})
-    return out + attention_rows(arch)
+    return out + attention_rows(arch) + select_rows(arch)
+
+
+def select_rows(arch: int) -> list[dict]:
+    """vocab_topk's select kernels and row_argmax's, as launched at V = 151,936, K = 64."""
+    p = vs.plan(151936, 64)
+    kp, nchp = p["kp"], 64
+    ptrs = dict(x_ptr="*bf16", m_ptr="*fp32", s_ptr="*fp32", lse_ptr="*fp32",
+                vals_ptr="*fp32")
+    launches = (
+        ("select", vt._select_kernel, dict(NCHP=nchp, NSUBP=4096, KP=kp, SUB=p["sub"],
+                                           WITH_LSE=True), 8),
+        ("topk_groups", vs._groups_kernel, dict(GS=p["gs"], KP=kp), 4),
+        ("topk_gather", vs._gather_kernel, dict(AP=p["ap"], KP=kp, SUB=p["sub"],
+                                                NG2=p["ng2"], BPG=p["bpg"]), 4),
+        ("topk_final", vs._final_kernel, dict(NCHP=nchp, CP=p["ng2"] * kp, KP=kp,
+                                              WITH_LSE=True), 4),
+        ("argmax_part", am._part_kernel, dict(CH=am.CH), 4),
+        ("argmax_final", am._final_kernel, dict(NCHP=nchp), 1))
+    out = []
+    for name, fn, consts, warps in launches:
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "*i64" if n.endswith("_ptr")
+                                                             else "i64")
+               for n in fn.arg_names}
+        out.append({"kernel": name, "warps": warps,
+                    **resources(fn, consts, arch, warps, sig=sig)})
+    return out
 
 
 def main(argv=None) -> int:

@@ -222,6 +222,32 @@ def generate(llm, toks: list[list[int]], max_tokens, margins: bool = False):
     return tokens, dt, gaps
 
 
+def graph_us(fn, reps: int) -> float:
+    """Median us of one CUDA-graph replay of fn (captured after two warm-up calls on a
+    side stream) over reps replays, each between its own events."""
+    import statistics
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3
+
+
 def dump(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -22,10 +22,14 @@
 # the tiny hybrid): run `apply` with verify (it starts that engine) before eq / step, or
 # give the first engine stage that time (run 14's eq and step calls timed out on it).
 # The next session (30 device minutes; what each earlier one did: bench/gpu/DEVICE_LOG.md):
-# call 0 (no carry, no bundle; on an H200 especially): `SWEEP_FROM_CHECKOUT=1
+# call 0 (no carry, no bundle): `TOPK_FROM_CHECKOUT=1 python3 bench/gpu/topk_bench.py
+# $OUT/topk` (the split top-K select and the Triton argmax against the engine's kernels,
+# ~1 min) and, on an H200 especially, `SWEEP_FROM_CHECKOUT=1
 # SWEEP_STAGE1=table SWEEP_SHAPES=1x63,2x63 SWEEP_BUDGET_S=80 python3
 # bench/gpu/attn_sweep.py $OUT/sweep` (stage 2 around the built-in table; if one wins,
 # keep attn_tuning.json and export VLLM_DDTREE_ATTN_TUNING to it below, as runs 24-25 did);
+# if topk_bench's new kernels win, add ddtree63chainasyncsplitargmax (and kprof of it) to
+# the e2e configs below: the same engine with them;
 # call 1 (carry .gpu-b1) as above; call 2 (carry .gpu-b2 .whl, after
 # `bash bench/gpu/make_whl.sh`): STAGES="install apply" with VERIFY=0, then e2e rounds
 # (run 26: 3 rounds of 4 configs in ~700 s, one round a call after the first):

@@ -29,7 +29,7 @@ kernel_prof.py: kernels_<config>_N<n>.json; compare configs with kernel_prof.py 
 
     python bench/gpu/step_bench.py OUT_DIR CONFIG [CONFIG ...]
     CONFIG: nospec | chain15 | chain15async |
-            ddtree<B>[pb|chain|auto|every][warm][kt][bg|nobg][cg|nocg][async]
+            ddtree<B>[pb|chain|auto|every][warm][kt][bg|nobg][cg|nocg][async][split][argmax]
     (pb: budget B, B/2, B/4 for batches of 1, 2-3, 4+ through vLLM's dynamic speculative
     decoding; chain: budget B for 1-2 requests, a
     chain of L = 15 from 3 on, ddtree_chain_budget = 15, fixed, V2 only; auto: nothing
@@ -42,7 +42,9 @@ kernel_prof.py: kernels_<config>_N<n>.json; compare configs with kernel_prof.py 
     timed in its steady state instead of its start; kt: the choice keeps its step
     times from one cell to the next (a running server), its counts start afresh; the tree build replayed from its
     own CUDA graphs follows the default (on) unless nobg (ddtree_build_graphs=0) or
-    bg (=1))
+    bg (=1); split: the drafter's top-K select over several programs,
+    core/vocab_topk_split.py; argmax: the greedy walk's target argmax in Triton,
+    core/row_argmax.py; both set in this process before the engine starts)
 
 With VLLM_USE_V2_MODEL_RUNNER=1 the engines run on the V2 runner (vLLM 0.32/0.33's GPU
 default; DDTree follows it there): the same step walls, spans hooked on V2's own
@@ -55,6 +57,7 @@ synthetic distributions enter after the drafter's graph (use_synthetic_v2; run 7
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -91,6 +94,10 @@ def parse(cfg: str):
         return dict(kind="chain", k=15, async_sched=cfg.endswith("async"))
     if cfg.startswith("ddtree"):
         rest = cfg[6:]
+        argmax = rest.endswith("argmax")  # the walk's argmax in Triton (row_argmax.AUTO)
+        rest = rest[:-6] if argmax else rest
+        split = rest.endswith("split")  # vocab_topk's select stage spread (AUTO_SELECT)
+        rest = rest[:-5] if split else rest
         asy = rest.endswith("async")
         rest = rest[:-5] if asy else rest
         # the chain arm's own draft graphs (v2_chain_graphs.py): on by default; nocg
@@ -121,7 +128,7 @@ def parse(cfg: str):
         return dict(kind="ddtree", k=k, async_sched=asy, per_batch=sched, auto=auto,
                     every=every,
                     chain=min(L, k) if chain else min(L, k - 1) if auto or every else 0, cg=cg,
-                    warm=warm, bg=bg, kt=kt)
+                    warm=warm, bg=bg, kt=kt, split=split, argmax=argmax)
     raise ValueError(cfg)
 
 
@@ -194,6 +201,17 @@ def engine(spec: dict, **llm_kw):
               "draft_load_config": LoadConfig(load_format="safetensors")}
         if spec["kind"] == "ddtree":
             sc.update(method="ddtree", ddtree_depth=L)
+            # the payload as installed; the engine runs in this process
+            # (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the module setting reaches it
+            if (spec.get("split") or spec.get("argmax")) and \
+                    os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+                raise ValueError("...split / ...argmax configs need "
+                                 "VLLM_ENABLE_V1_MULTIPROCESSING=0")
+            core = "vllm.v1.spec_decode.ddtree.core"
+            importlib.import_module(f"{core}.vocab_topk").AUTO_SELECT = \
+                "split" if spec.get("split") else "one"
+            importlib.import_module(f"{core}.row_argmax").AUTO = \
+                "triton" if spec.get("argmax") else "torch"
             if spec.get("auto"):  # nothing pinned: DDTree's V2 default
                 if not V2:
                     raise ValueError("ddtree<B>auto is DDTree's V2 default: V2 only")

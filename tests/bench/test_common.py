@@ -114,6 +114,12 @@ def test_config_names_of_the_step_bench():
     every = sb.parse("ddtree16everyasync")  # B everywhere, the arms at every batch size
     assert every["per_batch"] == [[1, 1 << 16, 16]] and every["every"] and not every["auto"]
     assert every["chain"] == 15 and every["k"] == 16 and every["async_sched"]
+    # split: the drafter's top-K select spread over programs (vocab_topk.AUTO_SELECT)
+    split = sb.parse("ddtree63chainasyncsplit")
+    assert split == dict(sb.parse("ddtree63chainasync"), split=True)
+    assert not cg["split"] and not cg["argmax"]
+    both = sb.parse("ddtree63chainasyncsplitargmax")
+    assert both == dict(sb.parse("ddtree63chainasync"), split=True, argmax=True)
 
 
 def test_equality_v2_reference_rows_expect_no_drafter():

@@ -34,7 +34,9 @@ def test_gdn_kernels_compile(arch):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"verify", "conv", "commit", "conv_commit", "tree_attn", "combine"}
+    assert kernels == {"verify", "conv", "commit", "conv_commit", "tree_attn", "combine",
+                       "select", "topk_groups", "topk_gather", "topk_final", "argmax_part",
+                       "argmax_final"}
     assert {r["rows"] for r in rows if r["kernel"] == "verify"} == {17, 65, 257}
     # the split buckets' merge launch, whole blocks and 16 rows a program, no spill
     # (compiled with the JIT's alignment marks, as launched)

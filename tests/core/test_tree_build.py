@@ -11,6 +11,7 @@ from ddtree_patcher.patches.ddtree.reference.heap import build_tree_ports_style,
 from ddtree_patcher.patches.ddtree.payload.core.tree_build import (Q_NEG, build_chain_from_topk, candidate_pairs, num_candidates,
                                             quantize_logprobs, row_logsumexp)
 from ddtree_patcher.patches.ddtree.payload.core.vocab_topk import decode_keys, order_keys, pick_sub, vocab_topk
+from ddtree_patcher.patches.ddtree.payload.core.vocab_topk_split import plan
 
 
 def _logprobs(rng: random.Random, g: torch.Generator, n, L, v, kind):
@@ -220,25 +221,48 @@ def test_order_keys_roundtrip():
     assert order == [0, 6, 2, 3, 7, 1, 4, 5, 8]
 
 
-@needs_triton
-def test_vocab_topk_fused_matches_reference():
-    """The fused kernels pick exactly the reference's K tokens in key order (ties:
-    lower id), from float32 / half inputs with a row stride, and the same lse."""
-    g = torch.Generator().manual_seed(21)
+def _assert_matches_reference(impl, cases, half_every):
+    """vocab_topk(impl) == impl='torch' on every case: the same K tokens in key order
+    (ties: lower id) from float32 (and, every half_every-th case, half) inputs with a row
+    stride, and the same lse.  Returns the last strided input and its k."""
     half = torch.bfloat16 if CUDA else torch.float16  # the CPU interpreter has no bf16
-    for i, (x, k) in enumerate(_vocab_cases(g)):
-        for dt in (torch.float32, half) if i % 3 == 0 else (torch.float32,):
+    for i, (x, k) in enumerate(cases):
+        for dt in (torch.float32, half) if i % half_every == 0 else (torch.float32,):
             xx = x.to(dt).to(DEV)
             wide = torch.full((xx.shape[0], xx.shape[1] + 3), 7.0, dtype=dt, device=DEV)
             wide[:, 1:-2] = xx
             xs = wide[:, 1:-2]  # row stride != V
-            a = vocab_topk(xs, k, impl="fused")
+            a = vocab_topk(xs, k, impl=impl)
             b = vocab_topk(xs, k, impl="torch")
             assert torch.equal(a[0].cpu(), b[0].cpu()) and torch.equal(a[1].cpu(), b[1].cpu()), (x.shape, k, dt)
             fin = torch.isfinite(b[2])
             assert torch.equal(fin, torch.isfinite(a[2]))
             assert torch.allclose(a[2][fin], b[2][fin], rtol=2e-6, atol=1e-6)
+    return xs, k
+
+
+@needs_triton
+def test_vocab_topk_fused_matches_reference():
+    """The fused kernels (one select program a row) pick the reference's tokens."""
+    _assert_matches_reference("fused", _vocab_cases(torch.Generator().manual_seed(21)), 3)
     assert pick_sub(151936, 64) == 64 and pick_sub(151936, 256) == 32
+
+
+@needs_triton
+def test_vocab_topk_split_matches_reference():
+    """The select spread over programs (impl='split') picks the reference's tokens: the
+    cases above, plus rows whose sub-maxima fill several groups and whose sub-blocks go
+    to several gather programs (the 8B drafter's shape in small: 12,000 tokens, K = 64)."""
+    g = torch.Generator().manual_seed(22)
+    ties = torch.randint(0, 5, (1, 12000), generator=g).float()
+    ties[0, 7000:] += torch.randn(5000, generator=g)  # exact ties, then distinct values
+    cases = _vocab_cases(g) + [(ties, 64)]
+    shapes = {(p["ng"] > 1, p["ng2"] > 1) for p in (plan(x.shape[1], k) for x, k in cases)}
+    assert shapes >= {(False, False), (True, False), (True, True)}
+    xs, k = _assert_matches_reference("split", cases, 4)
+    assert vocab_topk(xs, k, with_lse=False, impl="split")[2] is None
+    with pytest.raises(ValueError, match="k <= 128"):
+        vocab_topk(torch.zeros(1, 300, device=DEV), 129, impl="split")
 
 
 @needs_triton

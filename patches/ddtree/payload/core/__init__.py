@@ -35,6 +35,8 @@ graphed.GraphedBuild(max_budget)(draft) -> Build(tree, vals, idx, lse, chain_sco
 graphed.TopkTreeGraphs(max_budget): build_tree_from_topk replayed from a graph per
     batch size over the caller's static top-K buffers (eager for any other input).
 budget.BudgetController: the cost-aware budget (per step: a tree size or the chain).
+row_argmax(x [..., V], impl='auto') -> int64 [...]: torch.argmax's rule, the row spread
+    over chunks on CUDA (impl='triton'; 'auto' follows row_argmax.AUTO).
 walk_greedy(target argmax [N, B+1] or logits [N, B+1, V], tree) -> WalkResult
 walk_sampled(target_probs [N, B+1, V], tree, uniforms [N, L+1]) -> WalkResult
     WalkResult(accepted_rows [N, L+1], output_tokens [N, L+1], num_accepted [N]):
@@ -82,12 +84,13 @@ from .tree_build import (
     quantize_logprobs,
     top1,
 )
+from .row_argmax import row_argmax
 from .vocab_topk import row_logsumexp, vocab_topk
 from .tree_walk import WalkResult, masses, walk_greedy, walk_sampled
 
 __all__ = [
     "HAS_TRITON", "gdn_tree", "paired_counts", "DDTree", "build_tree", "build_tree_from_topk", "build_chain_from_topk", "chain_scores", "vocab_topk",
-    "row_logsumexp", "ancestor_mask", "canonical_topk", "top1", "chain_parents",
+    "row_logsumexp", "row_argmax", "ancestor_mask", "canonical_topk", "top1", "chain_parents",
     "chain_depths",
     "quantize_logprobs", "WalkResult",
     "walk_greedy", "walk_sampled", "masses", "target_probs", "apply_top_k_top_p", "compact_kv",

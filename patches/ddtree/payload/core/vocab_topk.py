@@ -41,6 +41,10 @@ FUSED_MAX = 16384  # largest sort of the select kernel; beyond it 'auto' uses to
 # hardly does (H200, V = 151936, CUDA graphs: fused wins at K <= 64 for 15-1920 rows,
 # 2-3x; torch.topk wins at K >= 256 but for 120 rows; bench/RESULTS.md, run 6)
 FUSED_AUTO_MAX_K = 128
+# the fused path's select stage under 'auto': "one" program a row (measured, run 6) or
+# "split" over programs (vocab_topk_split.py: exact, not yet timed on a GPU; the
+# device benches set it to compare the two in one engine)
+AUTO_SELECT = "one"
 
 
 def order_keys(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,8 +120,10 @@ def vocab_topk(x: torch.Tensor, k: int, with_lse: bool = True, impl: str = "auto
     """Top k of the last dim by (value desc, id asc), and the float32 logsumexp.
 
     x [..., V] float32/bf16/fp16; 1 <= k <= V < 2**20.  impl: 'auto' (fused Triton on
-    CUDA for k <= FUSED_AUTO_MAX_K while its sorts stay <= FUSED_MAX elements; else
-    torch), 'fused' (CUDA, or CPU under TRITON_INTERPRET=1), 'torch'.
+    CUDA for k <= FUSED_AUTO_MAX_K while its sorts stay <= FUSED_MAX elements, its
+    select stage as AUTO_SELECT says; else torch), 'fused' (one select program a row;
+    CUDA, or CPU under TRITON_INTERPRET=1), 'split' (the select over several programs,
+    vocab_topk_split.py; k <= FUSED_AUTO_MAX_K), 'torch'.
     Returns (values float32 [..., k], ids int64 [..., k], lse [...] or None); values
     and ids are in key order (largest first).
     """
@@ -129,14 +135,21 @@ def vocab_topk(x: torch.Tensor, k: int, with_lse: bool = True, impl: str = "auto
     if impl == "auto":
         fused = HAS_TRITON and x.is_cuda and k <= FUSED_AUTO_MAX_K and \
             _plan(v, k)[0] <= FUSED_MAX
-    elif impl == "fused":
+        split = fused and AUTO_SELECT == "split"
+    elif impl in ("fused", "split"):
         if not HAS_TRITON or not (x.is_cuda or interpreting()):
-            raise RuntimeError("impl='fused' needs triton and CUDA tensors (or TRITON_INTERPRET=1)")
-        fused = True
+            raise RuntimeError(f"impl={impl!r} needs triton and CUDA tensors (or TRITON_INTERPRET=1)")
+        if impl == "split" and k > FUSED_AUTO_MAX_K:
+            raise ValueError(f"impl='split' takes k <= {FUSED_AUTO_MAX_K}, got {k}")
+        fused, split = True, impl == "split"
     elif impl == "torch":
         fused = False
     else:
         raise ValueError(f"unknown impl {impl!r}")
+    if fused and split:
+        from .vocab_topk_split import vocab_topk_split
+
+        return vocab_topk_split(x, k, with_lse)
     if fused:
         return _vocab_topk_triton(x, k, with_lse)
     top = torch.topk(order_keys(x), k, dim=-1).values
@@ -210,12 +223,7 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         I64_MIN: tl.constexpr = -9223372036854775808
         if WITH_LSE:
-            c = tl.arange(0, NCHP)
-            mc = tl.load(m_ptr + row * NCH + c, mask=c < NCH, other=float("-inf"))
-            sc = tl.load(s_ptr + row * NCH + c, mask=c < NCH, other=0.0)
-            mx = tl.max(mc, 0)
-            safe = tl.where(mx > float("-inf"), mx, 0.0)
-            tl.store(lse_ptr + row, safe + tl.log(tl.sum(sc * tl.exp(mc - safe), 0)))
+            _store_lse(m_ptr, s_ptr, lse_ptr, row, NCH, NCHP)
         j = tl.arange(0, NSUBP)
         subs = tl.load(sub_ptr + row * NSUB + j, mask=j < NSUB, other=I64_MIN)
         top = tl.topk(subs, KP)  # the KP largest sub-maxima
@@ -224,7 +232,21 @@ if HAS_TRITON:
         ok = (top > I64_MIN)[:, None] & (ids < V)
         y = tl.load(x_ptr + row * stride_row + ids, mask=ok, other=0.0).to(tl.float32)
         key = tl.where(ok, _okey(y, ids), I64_MIN)
-        best = tl.topk(tl.reshape(key, [KP * SUB]), KP)
+        _store_top(tl.topk(tl.reshape(key, [KP * SUB]), KP), vals_ptr, ids_ptr, row, K, KP)
+
+    @triton.jit
+    def _store_lse(m_ptr, s_ptr, lse_ptr, row, NCH, NCHP: tl.constexpr):
+        """The row's log-sum-exp from its chunks' (max, sum exp)."""
+        c = tl.arange(0, NCHP)
+        mc = tl.load(m_ptr + row * NCH + c, mask=c < NCH, other=float("-inf"))
+        sc = tl.load(s_ptr + row * NCH + c, mask=c < NCH, other=0.0)
+        mx = tl.max(mc, 0)
+        safe = tl.where(mx > float("-inf"), mx, 0.0)
+        tl.store(lse_ptr + row, safe + tl.log(tl.sum(sc * tl.exp(mc - safe), 0)))
+
+    @triton.jit
+    def _store_top(best, vals_ptr, ids_ptr, row, K, KP: tl.constexpr):
+        """The first K of the KP keys ``best`` (largest first) as values and token ids."""
         o = (best >> 20).to(tl.int32)
         val = (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         kk = tl.arange(0, KP)

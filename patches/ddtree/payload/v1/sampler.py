@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from vllm.v1.outputs import SamplerOutput
 
-from ..core import (DDTree, chain_depths, chain_parents, target_probs, walk_greedy,
+from ..core import (DDTree, chain_depths, chain_parents, row_argmax, target_probs, walk_greedy,
                     walk_sampled)
 from .requests import batch_requests, emitted_logprobs, min_p_of, process_rows
 
@@ -67,7 +67,7 @@ class DDTreeSampler(nn.Module):
         target = process_rows(rows, tree, reqs,
                               getattr(sampling_metadata, "prompt_token_ids", None))
         if sampling_metadata.all_greedy:
-            res = walk_greedy(target.argmax(-1), tree)
+            res = walk_greedy(row_argmax(target), tree)
         else:
             temp = sampling_metadata.temperature
             probs = target_probs(target, temp[:n], _cut(sampling_metadata.top_k, n),

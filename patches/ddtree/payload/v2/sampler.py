@@ -21,7 +21,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
 from . import requests as v2_requests
 from . import step as v2_step
-from ..core import target_probs, walk_greedy, walk_sampled
+from ..core import row_argmax, target_probs, walk_greedy, walk_sampled
 
 
 class DDTreeV2Sampler:
@@ -50,7 +50,7 @@ class DDTreeV2Sampler:
         processed = v2_requests.process(self.sampler, logits, input_batch, tree)
         target = logits if processed is None else processed
         if np.all(st.temperature.np[slots_np] == 0.0):
-            walk = walk_greedy(target.argmax(-1)[rows], tree)
+            walk = walk_greedy(row_argmax(target)[rows], tree)
         else:
             slots = input_batch.idx_mapping
             top_k = st.top_k.gpu[slots] if np.any(st.top_k.np[slots_np] != st.vocab_size) \
