@@ -9,7 +9,8 @@ its reduction spreads a row over few programs.  Here a row is spread over chunks
   final:  grid (rows,): the largest of the row's chunk keys -> the token id.
 
 The rule is torch.argmax's: the first index of the maximum, NaN above every number
-(the first NaN wins, whatever its sign bit), -0.0 equal to +0.0.  Two launches, no host sync (graph-capturable).
+(the first NaN wins, whatever its sign bit), -0.0 equal to +0.0.  Two launches, no host
+sync (graph-capturable).
 """
 
 from __future__ import annotations
