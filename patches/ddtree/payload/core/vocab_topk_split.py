@@ -66,9 +66,10 @@ def vocab_topk_split(x: torch.Tensor, k: int, with_lse: bool):
         _groups_kernel[(nr, p["ng"])](subs, tops, p["nsub"], GS=p["gs"], KP=kp,
                                       num_warps=_warps(p["gs"]))
     cand = torch.empty(nr, p["ng2"] * kp, **i64)
+    warps = _warps(max(p["ap"], p["bpg"] * p["sub"]))
     _gather_kernel[(nr, p["ng2"])](rows, tops, cand, rows.stride(0), v, p["na"],
                                    AP=p["ap"], KP=kp, SUB=p["sub"], NG2=p["ng2"],
-                                   BPG=p["bpg"], num_warps=_warps(max(p["ap"], p["bpg"] * p["sub"])))
+                                   BPG=p["bpg"], num_warps=warps)
     _final_kernel[(nr,)](m, sx, cand, vals, ids, lse, p["nch"], k,
                          NCHP=max(2, next_pow2(p["nch"])), CP=p["ng2"] * kp, KP=kp,
                          WITH_LSE=with_lse, num_warps=_warps(p["ng2"] * kp))
